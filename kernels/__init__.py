@@ -1,0 +1,1 @@
+"""Triton kernels, their launchers and the pure-PyTorch reference beside each (``naive.py``)."""

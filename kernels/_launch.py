@@ -1,0 +1,31 @@
+"""How every launcher starts a kernel: through ``wrap_triton`` so AOTAutograd can trace it."""
+
+import contextlib
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+from mm3_compile import platform
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch ``kernel``; inside a traced op body this records a Triton kernel node instead."""
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eager_launches():
+    """Real tensors go straight to the kernel: no higher-order-op dispatch on the eager path."""
+    with set_wrap_triton_enabled(False):
+        yield
+
+
+def require_kernel_device(name: str, t: torch.Tensor) -> None:
+    """CPU tensors only run under the Triton interpreter; say so instead of failing deep inside Triton."""
+    if t.device.type == "cpu" and not platform.interpreting():
+        raise RuntimeError(
+            f"{name} is on the CPU but the Triton interpreter is off: set TRITON_INTERPRET=1 before "
+            "importing torch/triton to run mm3 kernels on the CPU, or pass CUDA tensors"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")

@@ -1,0 +1,175 @@
+"""MXFP8 quantization kernels: plain ``x -> (values, scales)`` and fused SwiGLU-OAI + quant.
+
+One program quantizes a ``[BLOCK_M, BLOCK_K]`` tile (``BLOCK_K / 32`` MX blocks per row).
+The E8M0 exponent is exact integer arithmetic on the fp32 bits of the block amax:
+``sb = ceil(log2(amax / FP8_MAX)) + 127`` (clamped to [0, 254]) without a division or a
+``log2`` whose rounding could differ between GPU, interpreter and the reference.
+Values are ``x * 2^(127 - sb)`` -- a multiply by a normal power of two, never a divide by
+the possibly subnormal ``2^(sb - 127)`` (upstream #58089) -- then encoded by ``fp8_encode``.
+"""
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels.fp8 import fp8_encode, format_constants
+from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE, FP8Format, interpreting
+
+
+@triton.jit
+def _mx_quantize_tile(
+    v,  # [BLOCK_M, BLOCK_K] fp32
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAX_EXP: tl.constexpr,  # FP8_MAX = (1 + MAX_MANT / 2^23) * 2^MAX_EXP
+    MAX_MANT: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 32
+    blocks = tl.reshape(v, (BLOCK_M, NB, 32))
+    magnitude = tl.where(blocks != blocks, 0.0, tl.abs(blocks))  # NaN takes no part in the scale
+    amax = tl.maximum(tl.max(magnitude, axis=2), 1.1754943508222875e-38)  # [BLOCK_M, NB], >= fp32 tiny
+    abits = amax.to(tl.int32, bitcast=True)
+    # ceil(log2(amax / FP8_MAX)): exponent difference, plus one when amax's significand is larger.
+    sb = (abits >> 23) - MAX_EXP + ((abits & 0x7FFFFF) > MAX_MANT).to(tl.int32)  # biased exponents: +127 cancels
+    sb = tl.where(amax == float("inf"), 254, tl.minimum(tl.maximum(sb, 0), 254))
+    # 2^(127 - sb) as fp32 bits; sb = 254 (only an infinite amax) would need the subnormal 2^-127,
+    # so use 2^-126 and an extra halving.
+    factor = ((254 - sb + (sb == 254).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+    factor = tl.where(sb == 254, factor * 0.5, factor)
+    scaled = blocks * tl.reshape(factor, (BLOCK_M, NB, 1))
+    scaled = tl.where(blocks != blocks, blocks, scaled)  # keep the input NaN (and its sign)
+    codes = fp8_encode(tl.reshape(scaled, (BLOCK_M, BLOCK_K)), FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ)
+    return codes, sb
+
+
+@triton.jit
+def _mxfp8_quantize_kernel(
+    x_ptr,  # [M, K] any float dtype, last dim contiguous
+    values_ptr,  # [M, K] uint8 view of the FP8 output
+    scales_ptr,  # [M, K / 32] uint8 view of the E8M0 output
+    M,
+    K,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    codes, sb = _mx_quantize_tile(x, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ)
+    tl.store(values_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+    NB: tl.constexpr = BLOCK_K // 32
+    scale_cols = pid_k * NB + tl.arange(0, NB)
+    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // 32)
+    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (K // 32) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+
+
+@triton.jit
+def _swiglu_oai_mxfp8_kernel(
+    gate_up_ptr,  # [M, 2I] split layout: gate = [:, :I], up = [:, I:]
+    values_ptr,  # [M, I] uint8 view of the FP8 output
+    scales_ptr,  # [M, I / 32] uint8 view of the E8M0 output
+    M,
+    I,
+    stride_m,
+    alpha,
+    beta,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] activation columns
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    row_ptr = gate_up_ptr + rows[:, None].to(tl.int64) * stride_m
+    gate = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(alpha * gate) * (up + beta)  # fp32, never rounded before the quant
+    codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ)
+    tl.store(values_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], codes.to(tl.uint8), mask=mask)
+    NB: tl.constexpr = BLOCK_K // 32
+    scale_cols = pid_k * NB + tl.arange(0, NB)
+    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < I // 32)
+    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (I // 32) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+
+
+def _fp8_max_constants(fmt: FP8Format) -> dict:
+    bits = struct.unpack("<I", struct.pack("<f", fmt.max))[0]
+    return dict(MAX_EXP=(bits >> 23) - 127, MAX_MANT=bits & 0x7FFFFF, **format_constants(fmt))
+
+
+def _tile(K: int) -> dict:
+    # The interpreter runs one numpy program at a time: few, large programs are fastest there.
+    if interpreting():
+        return dict(BLOCK_M=64, BLOCK_K=min(256, triton.next_power_of_2(K)), num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_K=128, num_warps=4)
+
+
+def _outputs(rows, K: int, fmt: FP8Format, device):
+    values = torch.empty((rows, K), dtype=torch.uint8, device=device)
+    scales = torch.empty((rows, K // MX_BLOCK_SIZE), dtype=torch.uint8, device=device)
+    return values, scales
+
+
+def mxfp8_quantize(x: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K % 32 == 0, last dim contiguous) -> values [..., K] fmt.dtype, scales [..., K/32] e8m0."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)  # [M, K]
+    M = x2.shape[0]
+    values, scales = _outputs(M, K, fmt, x.device)
+    tile = _tile(K)
+    grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(K, tile["BLOCK_K"]))
+    launch(_mxfp8_quantize_kernel, grid, x2, values, scales, M, K, x2.stride(0), **tile, **_fp8_max_constants(fmt))
+    return (
+        values.view(fmt.dtype).view(x.shape),
+        scales.view(E8M0_DTYPE).view(*x.shape[:-1], K // MX_BLOCK_SIZE),
+    )
+
+
+def swiglu_oai_mxfp8_quant(
+    gate_up: torch.Tensor, alpha: float, beta: float, limit: float | None, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [..., 2I] -> values [..., I] fmt.dtype, scales [..., I/32] e8m0 (one fused kernel)."""
+    I = gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * I)  # [M, 2I]
+    M = g2.shape[0]
+    values, scales = _outputs(M, I, fmt, gate_up.device)
+    tile = _tile(I)
+    grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(I, tile["BLOCK_K"]))
+    launch(
+        _swiglu_oai_mxfp8_kernel, grid, g2, values, scales, M, I, g2.stride(0),
+        float(alpha), float(beta), float(limit if limit is not None else 0.0), HAS_LIMIT=limit is not None,
+        **tile, **_fp8_max_constants(fmt),
+    )  # fmt: skip
+    lead = gate_up.shape[:-1]
+    return values.view(fmt.dtype).view(*lead, I), scales.view(E8M0_DTYPE).view(*lead, I // MX_BLOCK_SIZE)

@@ -1,0 +1,42 @@
+"""Test set-up: without a GPU, mm3 kernels run in the Triton interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported (torch._dynamo / _inductor import
+it), so this runs before any test module imports torch.
+"""
+
+import os
+import shutil
+import subprocess
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the interpreter is ~3x faster single-threaded
+
+
+def _has_gpu() -> bool:
+    if os.environ.get("MM3_TEST_DEVICE") == "cpu":
+        return False
+    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 or os.path.exists("/dev/kfd")
+
+
+if not _has_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import mm3_compile  # noqa: E402,F401
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+# Kernels under test run on the GPU when there is one, else in the interpreter on the CPU.
+DEVICE = torch.device("cuda") if GPU else torch.device("cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (runs on the H200 device machine)")
+    for item in items:
+        if "gpu" in item.keywords and not GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
