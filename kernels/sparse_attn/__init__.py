@@ -1,0 +1,1 @@
+"""Block-sparse GQA attention over the paged KV cache: prefill and split-K decode."""
