@@ -1,3 +1,4 @@
 """Op declarations (``torch.library.custom_op`` + explicit fakes). Importing this registers ``torch.ops.mm3.*``."""
 
 from mm3_compile.ops.quant import mxfp8_quantize, swiglu_oai_mxfp8_quant  # noqa: F401
+from mm3_compile.ops.sparse_attn import sparse_attn_decode, sparse_attn_prefill  # noqa: F401

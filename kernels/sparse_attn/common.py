@@ -1,0 +1,316 @@
+"""The block-sparse GQA attention kernel shared by prefill and decode.
+
+One program owns one query token and one KV head and holds all ``G = Hq / Hkv`` query heads of
+that KV head as the rows of a ``[BLOCK_H, D]`` tile (``BLOCK_H = max(16, next_pow2(G))`` so
+``tl.dot`` gets M >= 16; padded rows load q = 0 and are never written).  It walks a range of the
+token's top-k slots; each slot names a logical 128-token block, mapped to a physical page through
+the request's block table, and costs one ``[BLOCK_H, D] x [D, 128]`` and one
+``[BLOCK_H, 128] x [128, D]`` dot.  Prefill walks all slots and writes the output; decode splits
+the slot list over several programs and writes normalised partials + log2-sum-exp for a merge.
+
+Validity is position-derived (slots ``[0, min(T, p // 128 + 1))``), but a slot whose id is
+negative, beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is
+skipped through load masks: nothing out of bounds is ever dereferenced, whatever the caller passes.
+
+Numerics (base 2, log2(e) folded into the scale): running max ``m``, running sum ``l`` and the
+accumulator in fp32; K/V are dequantised to the model dtype (FP8 bytes -> fp32 -> x scale ->
+model dtype) and P is rounded to the model dtype before P.V, as on the GPU's bf16 tensor-core path.
+Under the interpreter (``DOT_FP32``) the model-dtype operands are widened to fp32 before each dot,
+because its bf16 dots are wrong; the roundings are kept so both paths see the same operands.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3_compile import platform
+from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels.fp8 import fp8_decode, format_constants
+from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
+from mm3_compile.platform import FP8Format
+
+PAGE: tl.constexpr = 128  # tokens per page == sparse block size
+
+
+@triton.jit
+def _load_kv_tile(
+    ptrs,
+    mask,
+    scale,  # fp32 scalar (SCALE_MODE 1) or per-key fp32 vector broadcastable to the tile (mode 2)
+    MODEL_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    """Load a K or V tile and return it in the dot dtype (model dtype, or fp32 under the interpreter)."""
+    if IS_FP8:
+        if NATIVE_FP8:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # hardware conversion, exact
+        else:
+            x = fp8_decode(tl.load(ptrs, mask=mask, other=0), FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+            x = tl.where(mask, x, 0.0)
+        if SCALE_MODE != 0:
+            x = x * scale
+        x = x.to(MODEL_DTYPE)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _find_request(cu_seqlens_ptr, num_reqs, token):
+    """Largest r with cu_seqlens[r] <= token (requests with no query tokens are skipped over)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: cu[lo] <= token < cu[hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        right = tl.load(cu_seqlens_ptr + mid) <= token
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def sparse_attn_fwd_kernel(
+    q_ptr,  # [total_q, Hq, D] bf16/fp16, last dim contiguous
+    kv_ptr,  # [num_blocks, Hkv, 128, 2D] model dtype, typed FP8 (NATIVE_FP8) or uint8 bytes
+    topk_ptr,  # [Hkv, total_q, T] int32, logical block ids
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    cu_seqlens_ptr,  # [num_reqs + 1] int32 (VARLEN only)
+    seq_lens_ptr,  # [num_reqs] int32, KV length including this step's tokens
+    k_scale_ptr,  # fp32: 1 element (SCALE_MODE 1) or [Hkv, num_blocks * 128] (mode 2); dummy otherwise
+    v_scale_ptr,
+    out_ptr,  # [total_q, Hq, D] (not SPLIT) or o_partial [num_splits, total_q, Hq, D] (SPLIT)
+    lse_ptr,  # [num_splits, total_q, Hq] fp32 (SPLIT only)
+    total_q,
+    num_reqs,
+    q_per_req,  # uniform decode: tokens per request (not VARLEN)
+    num_blocks,
+    max_blocks,
+    T,
+    num_splits,
+    slots_per_split,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qt, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_tkh, stride_tkt, stride_tks,
+    stride_btr, stride_btb,
+    stride_ksh, stride_kss,
+    stride_vsh, stride_vss,
+    G: tl.constexpr,  # query heads per KV head
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    VARLEN: tl.constexpr,  # token -> request by binary search over cu_seqlens (prefill)
+    SPLIT: tl.constexpr,  # write a partial + lse per split (decode)
+    IS_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar, 2 per (KV head, physical slot)
+    DOT_FP32: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # A token's splits are adjacent programs: they finish together for the merge.
+    token = pid // num_splits
+    split = pid % num_splits
+    MODEL_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    if VARLEN:
+        req = _find_request(cu_seqlens_ptr, num_reqs, token)
+        q_start = tl.load(cu_seqlens_ptr + req)
+        q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
+        offset = token - q_start
+    else:
+        req = token // q_per_req
+        q_len = q_per_req
+        offset = token - req * q_per_req
+    seq_len = tl.load(seq_lens_ptr + req)
+    pos = seq_len - q_len + offset  # absolute position of this query token
+    last_block = pos // PAGE
+    n_slots = tl.where(pos >= 0, tl.minimum(T, last_block + 1), 0)
+    slot_begin = split * slots_per_split
+    slot_end = tl.minimum(slot_begin + slots_per_split, n_slots)
+
+    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head (padded)
+    dims = tl.arange(0, D)
+    keys = tl.arange(0, PAGE)
+    row_mask = rows < G
+    heads = kv_head * G + rows
+    q_ptrs = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    topk_row = topk_ptr + kv_head.to(tl.int64) * stride_tkh + token.to(tl.int64) * stride_tkt
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_btr
+    head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
+    for slot in range(slot_begin, slot_end):
+        block = tl.load(topk_row + slot * stride_tks)
+        valid = (block >= 0) & (block <= last_block) & (block < max_blocks)
+        page = tl.load(bt_row + tl.where(valid, block, 0).to(tl.int64) * stride_btb, mask=valid, other=0)
+        valid = valid & (page >= 0) & (page < num_blocks)
+        page = tl.where(valid, page, 0).to(tl.int64)
+        # [128] logical positions, -1 for a skipped slot (a scalar-bool & vector mask trips the interpreter)
+        key_pos = tl.where(valid, block * PAGE + keys, -1)
+        key_mask = (key_pos >= 0) & (key_pos <= pos) & (key_pos < seq_len)
+        base = head_base + page * stride_kb + keys.to(tl.int64) * stride_kt  # [128] row pointers
+
+        ks = k_scale
+        vs = v_scale
+        if SCALE_MODE == 2:
+            slots = page * PAGE + keys  # physical slot: the scale follows the page, not the position
+            ks = tl.load(k_scale_ptr + kv_head * stride_ksh + slots * stride_kss, mask=key_mask, other=0.0)[None, :]
+            vs = tl.load(v_scale_ptr + kv_head * stride_vsh + slots * stride_vss, mask=key_mask, other=0.0)[:, None]
+        k = _load_kv_tile(
+            base[None, :] + dims[:, None], key_mask[None, :], ks,
+            MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+        )  # [D, 128]  # fmt: skip
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_H, 128] log2-domain logits
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(
+            base[:, None] + D + dims[None, :], key_mask[:, None], vs,
+            MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+        )  # [128, D]  # fmt: skip
+        p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
+        if DOT_FP32:
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m = m_new
+
+    has_keys = l > 0.0
+    o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    if SPLIT:
+        o_ptrs = (
+            out_ptr + (split.to(tl.int64) * total_q + token) * (G * D * tl.num_programs(1))
+            + heads[:, None] * D + dims[None, :]
+        )  # fmt: skip
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+        lse_ptrs = lse_ptr + (split.to(tl.int64) * total_q + token) * (G * tl.num_programs(1)) + heads
+        tl.store(lse_ptrs, lse, mask=row_mask)
+    else:
+        o_ptrs = out_ptr + token.to(tl.int64) * (G * D * tl.num_programs(1)) + heads[:, None] * D + dims[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def merge_splits_kernel(
+    o_partial_ptr,  # [num_splits, total_q, Hq, D] model dtype, each split normalised by its own sum
+    lse_ptr,  # [num_splits, total_q, Hq] fp32, log2 domain, -inf for a split that saw no key
+    out_ptr,  # [total_q, Hq, D]
+    total_q,
+    Hq,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out = sum_c w_c o_c with w_c = 2^(lse_c - max lse) / sum; a row with no key anywhere -> 0."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, D)
+    head_mask = heads < Hq
+    row = token.to(tl.int64) * Hq + heads  # [BLOCK_H] row index within one split
+    split_rows = total_q * Hq
+
+    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for c in range(0, num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")))
+    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for c in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")) - lse_ref)
+        o = tl.load(o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :], mask=head_mask[:, None])
+        acc += w[:, None] * o.to(tl.float32)
+        weight_sum += w
+    out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    tl.store(out_ptr + row[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+LOG2E = 1.4426950408889634
+
+
+def kernel_options(device: torch.device) -> dict:
+    """Launch options: the interpreter's bf16 dots are wrong (widen), gfx9 LDS is 64 KB (one stage)."""
+    if platform.interpreting() or device.type != "cuda":
+        return dict(DOT_FP32=True, num_warps=4)
+    amd = platform.platform_for(device).vendor == "amd"
+    return dict(DOT_FP32=False, num_warps=4, num_stages=1 if amd else 2)
+
+
+def launch_sparse_attn(
+    q: torch.Tensor,  # [total_q, Hq, D]
+    kv_cache: torch.Tensor,  # [num_blocks, Hkv, 128, 2D] in its storage dtype (typed FP8 view for FP8)
+    fmt: FP8Format | None,
+    topk_idx: torch.Tensor,  # [Hkv, total_q, T] int32
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor | None,  # [num_reqs + 1] int32 (prefill) or None (uniform decode)
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    sm_scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale_mode: int,
+    out: torch.Tensor,  # [total_q, Hq, D] or o_partial [num_splits, total_q, Hq, D]
+    lse: torch.Tensor | None,  # [num_splits, total_q, Hq] fp32 when splitting
+    q_per_req,
+    num_splits,
+    slots_per_split,
+) -> None:
+    total_q, Hq, D = q.shape
+    num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
+    G = Hq // Hkv
+    T = topk_idx.shape[2]
+    num_reqs = seq_lens.shape[0]
+    if fmt is not None and not platform.triton_native_fp8(fmt.dtype, q.device):
+        kv_cache = kv_cache.view(torch.uint8)  # decoded from the bytes with integer arithmetic
+    if fmt is None:
+        scale_mode = SCALE_NONE  # bf16/fp16 caches are not scaled
+    fp8_constants = format_constants(fmt) if fmt is not None else dict(
+        FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False
+    )  # fmt: skip
+    fp8_constants.pop("FP8_MAX")  # reading never saturates
+    if scale_mode == SCALE_NONE:
+        k_scale = v_scale = seq_lens  # never read: the kernel's scale branches are compiled out
+    k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    launch(
+        sparse_attn_fwd_kernel, (total_q * num_splits, Hkv),
+        q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
+        k_scale, v_scale, out, lse if lse is not None else out,
+        total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, slots_per_split,
+        float(sm_scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
+        block_table.stride(0), block_table.stride(1),
+        *k_strides, *v_strides,
+        G=G, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)),
+        VARLEN=cu_seqlens_q is not None, SPLIT=lse is not None,
+        IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
+        SCALE_MODE=scale_mode, **fp8_constants, **kernel_options(q.device),
+    )  # fmt: skip

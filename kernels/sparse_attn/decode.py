@@ -1,0 +1,77 @@
+"""Launcher of split-K block-sparse decode attention (uniform batches, speculative verify included).
+
+Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
+batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
+partial and its log2-sum-exp, and a second kernel merges them (§5.5).  ``num_splits`` depends only
+on shapes and the device's SM count, never on data, so a captured CUDA graph stays valid; it is
+computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of being guarded.
+"""
+
+import functools
+
+import torch
+import triton
+
+from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn, merge_splits_kernel
+from mm3_compile.platform import FP8Format, interpreting
+
+# Programs per SM the split-K grid aims for: enough (token, KV head, split) programs in flight to
+# hide the dependent top-k -> block-table -> page loads.
+PROGRAMS_PER_SM = 2
+# Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
+# exercise the merge).
+INTERPRETER_TARGET_PROGRAMS = 8
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda" or interpreting():
+        return INTERPRETER_TARGET_PROGRAMS
+    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
+    """(num_splits, slots_per_split) from shapes: split the T slots until the grid fills the GPU."""
+    work = torch.sym_max(1, total_q * num_kv_heads)
+    wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device) // work))
+    slots_per_split = (topk + wanted - 1) // wanted
+    return (topk + slots_per_split - 1) // slots_per_split, slots_per_split
+
+
+def sparse_attn_decode(
+    q: torch.Tensor,  # [total_q, Hq, D] bf16/fp16, total_q = num_reqs * q_per_req
+    kv_cache: torch.Tensor,  # [num_blocks, Hkv, 128, 2D] storage-dtype view (typed FP8 for FP8 caches)
+    fmt: FP8Format | None,
+    topk_idx: torch.Tensor,  # [Hkv, total_q, T] int32
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, 0 for CUDA-graph padding requests
+    sm_scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale_mode: int,
+    num_splits: int | None = None,  # override of the shape-derived plan (tests)
+) -> torch.Tensor:
+    total_q, Hq, D = q.shape
+    Hkv = kv_cache.shape[1]
+    T = topk_idx.shape[2]
+    q_per_req = total_q // seq_lens.shape[0]
+    if num_splits is None:
+        num_splits, slots_per_split = split_plan(total_q, Hkv, T, q.device)
+    else:
+        slots_per_split = triton.cdiv(T, num_splits)
+    o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
+    launch_sparse_attn(
+        q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
+        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, slots_per_split=slots_per_split,
+    )  # fmt: skip
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
+    BLOCK_H = 16
+    launch(merge_splits_kernel, (total_q, triton.cdiv(Hq, BLOCK_H)), o_partial, lse, out, total_q, Hq, num_splits,
+           D=D, BLOCK_H=BLOCK_H)  # fmt: skip
+    return out

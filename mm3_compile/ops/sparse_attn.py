@@ -1,0 +1,133 @@
+"""``mm3::sparse_attn_prefill`` and ``mm3::sparse_attn_decode``: block-sparse GQA attention over the paged cache.
+
+The cache's storage flavour comes from the dtype authority for the cache's device (uint8 bytes are
+viewed as it, a typed FP8 cache of another flavour is refused), asked in the real implementation
+and in the fake alike.  K/V scales apply to FP8 caches only (bf16/fp16 caches are read as is).
+"""
+
+import torch
+
+from mm3_compile.kernels._launch import eager_launches, require_kernel_device
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
+from mm3_compile.ops._checks import check_last_dim_contiguous, check_same_device, check_tensor
+from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+
+
+def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale):
+    """Validation shared by both ops; returns (typed cache view, FP8 format or None, scale mode)."""
+    check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3)
+    check_tensor("kv_cache", kv_cache, ndim=4)
+    check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=3)
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    check_same_device("q", q, kv_cache=kv_cache, topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
+    total_q, Hq, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim must be one of {HEAD_DIMS}, got {D}")
+    check_last_dim_contiguous("q", q)
+    num_blocks, Hkv, page, width = kv_cache.shape
+    if page != PAGE_SIZE or width != 2 * D:
+        raise ValueError(
+            f"kv_cache: expected logical shape [num_blocks, Hkv, {PAGE_SIZE}, 2*D={2 * D}] (K then V), "
+            f"got {list(kv_cache.shape)}"
+        )
+    check_last_dim_contiguous("kv_cache", kv_cache)
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q: the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    if not 1 <= Hq // Hkv <= 16:
+        raise ValueError(f"q: query heads per KV head must be in [1, 16], got {Hq // Hkv}")
+    if topk_idx.shape[0] != Hkv or topk_idx.shape[1] != total_q or topk_idx.shape[2] < 1:
+        raise ValueError(
+            f"topk_idx: expected shape [Hkv={Hkv}, total_q={total_q}, T>=1], got {list(topk_idx.shape)}"
+        )
+    num_reqs = seq_lens.shape[0]
+    if block_table.shape[0] != num_reqs:
+        raise ValueError(f"block_table: expected {num_reqs} rows (one per request in seq_lens), got {block_table.shape[0]}")
+    view, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, q.dtype)
+    scale_mode = kv_scale_mode(k_scale, v_scale, Hkv, num_blocks * PAGE_SIZE, q.device)
+    return view, fmt, scale_mode
+
+
+def _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale):
+    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
+    check_same_device("q", q, cu_seqlens_q=cu_seqlens_q)
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q: expected num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got {cu_seqlens_q.shape[0]}"
+        )
+    return checked
+
+
+def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale):
+    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    num_reqs, total_q = seq_lens.shape[0], q.shape[0]
+    if num_reqs == 0 or total_q % num_reqs != 0:
+        raise ValueError(
+            f"q: uniform decode needs total_q ({total_q}) to be a positive multiple of num_reqs ({num_reqs}, "
+            "the length of seq_lens)"
+        )
+    return checked
+
+
+@torch.library.custom_op("mm3::sparse_attn_prefill", mutates_args=())
+def sparse_attn_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_idx: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [total_q, Hq, D] packed by cu_seqlens_q -> [total_q, Hq, D]; query i of request r sits at
+    p = seq_lens[r] - q_len_r + i and attends to keys j <= p of its first min(T, p // 128 + 1) top-k blocks."""
+    view, fmt, scale_mode = _check_prefill(
+        q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale
+    )
+    require_kernel_device("q", q)
+    with eager_launches():
+        return prefill_kernels.sparse_attn_prefill(
+            q, view, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode
+        )
+
+
+@sparse_attn_prefill.register_fake
+def _(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.custom_op("mm3::sparse_attn_decode", mutates_args=())
+def sparse_attn_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_idx: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Uniform decode: q [num_reqs * q_per_req, Hq, D] -> [total_q, Hq, D]; token b is offset b % q_per_req
+    of request b // q_per_req at p = seq_len - q_per_req + offset; seq_len 0 (padding) gives zeros."""
+    view, fmt, scale_mode = _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    require_kernel_device("q", q)
+    with eager_launches():
+        return decode_kernels.sparse_attn_decode(
+            q, view, fmt, topk_idx, block_table, seq_lens, sm_scale, k_scale, v_scale, scale_mode
+        )
+
+
+@sparse_attn_decode.register_fake
+def _(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
