@@ -1,0 +1,137 @@
+"""Paged KV-cache insert: ``key``/``value`` rows -> their slots in ``[num_blocks, Hkv, 128, 2D]`` pages.
+
+One program writes ``BLOCK_R`` (token, KV head) rows, each the ``D`` key and ``D`` value elements
+of one token and head; row ``r`` is token ``r // Hkv``, head ``r % Hkv``.  The destination of a
+row is ``page * s_blk + head * s_head + offset * s_pos`` (K at ``+ d``, V at ``+ D + d``) with
+``slot = page * 128 + offset``, so any block/head/position strides work (HND, or NHD exposed as a
+permuted view).  Rows whose slot is negative (padding) or beyond ``num_blocks * 128`` are masked
+out: they are neither read nor written.
+
+FP8 caches are written as bytes through a uint8 view of the same storage: ``x / scale`` in fp32
+(correctly rounded division, like torch), then ``fp8_encode`` (round-to-nearest-even, saturating
+to the format's max) in the flavour the authority resolved.  bf16/fp16 caches store the values
+cast to the cache dtype; scales only apply to FP8 caches.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels.fp8 import fp8_encode, format_constants
+from mm3_compile.ops._kv import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
+from mm3_compile.platform import FP8Format, interpreting
+
+PAGE: tl.constexpr = PAGE_SIZE
+MODE_SCALAR: tl.constexpr = SCALE_SCALAR
+MODE_PER_TOKEN_HEAD: tl.constexpr = SCALE_PER_TOKEN_HEAD
+
+
+@triton.jit
+def _scale_rows(x, scale_ptr, heads, slots, row_ok, stride_sh, stride_ss, SCALE_MODE: tl.constexpr):
+    """x [BLOCK_R, D] fp32 divided by its scale (none, one scalar, or scale[head, slot])."""
+    # div_rn: a plain fp32 `/` is approximate on NVIDIA GPUs, torch's division is correctly rounded.
+    if SCALE_MODE == MODE_SCALAR:
+        x = tl.math.div_rn(x, tl.zeros_like(x) + tl.load(scale_ptr))
+    elif SCALE_MODE == MODE_PER_TOKEN_HEAD:
+        s = tl.load(scale_ptr + heads.to(tl.int64) * stride_sh + slots * stride_ss, mask=row_ok, other=1.0)
+        x = tl.math.div_rn(x, s[:, None] + tl.zeros_like(x))
+    return x
+
+
+@triton.jit
+def _kv_cache_write_kernel(
+    key_ptr,  # [num_tokens, Hkv, D]
+    value_ptr,  # [num_tokens, Hkv, D]
+    cache_ptr,  # [num_blocks, Hkv, 128, 2D] (uint8 view for FP8), strided, last dim contiguous
+    slot_ptr,  # [num_tokens] int64
+    k_scale_ptr,  # [1] or [Hkv, num_slots] fp32 (unused with SCALE_MODE 0)
+    v_scale_ptr,
+    num_rows,  # num_tokens * Hkv
+    num_heads,
+    num_slots,  # num_blocks * 128
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    stride_ksh,
+    stride_kss,
+    stride_vsh,
+    stride_vss,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    tokens = rows // num_heads
+    heads = rows % num_heads
+    in_range = rows < num_rows
+    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1)  # int64
+    row_ok = in_range & (slots >= 0) & (slots < num_slots)
+    slots = tl.where(row_ok, slots, 0)
+    pages = slots // PAGE
+    offsets = slots % PAGE
+    d = tl.arange(0, D)
+    mask = row_ok[:, None]
+    k = tl.load(key_ptr + (tokens * stride_kt + heads * stride_kh)[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(value_ptr + (tokens * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask=mask, other=0.0)
+    dst = cache_ptr + (pages * stride_cb + heads * stride_ch + offsets * stride_cp)[:, None] + d[None, :]
+    if IS_FP8:
+        k = _scale_rows(k.to(tl.float32), k_scale_ptr, heads, slots, row_ok, stride_ksh, stride_kss, SCALE_MODE)
+        v = _scale_rows(v.to(tl.float32), v_scale_ptr, heads, slots, row_ok, stride_vsh, stride_vss, SCALE_MODE)
+        tl.store(dst, fp8_encode(k, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
+        tl.store(dst + D, fp8_encode(v, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
+    else:
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + D, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _no_fp8_constants() -> dict:
+    return dict(FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False)
+
+
+def kv_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: FP8Format | None,
+    scale_mode: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Write key/value [num_tokens, Hkv, D] into ``cache`` (typed view, validated by the op) in place.
+
+    ``fmt`` is the cache's FP8 format (None for bf16/fp16 caches); for FP8 the kernel stores
+    bytes through ``cache.view(torch.uint8)``, which shares the cache's storage and strides.
+    """
+    num_tokens, num_heads, D = key.shape
+    num_slots = cache.shape[0] * PAGE_SIZE
+    target = cache.view(torch.uint8) if fmt is not None else cache
+    if scale_mode == SCALE_NONE:
+        k_scale = v_scale = slot_mapping  # never read; any pointer will do
+    k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    num_rows = num_tokens * num_heads
+    # The interpreter runs one numpy program at a time: few, large programs are fastest there.
+    block_r = 64 if interpreting() else 16
+    constants = format_constants(fmt) if fmt is not None else _no_fp8_constants()
+    launch(
+        _kv_cache_write_kernel, (triton.cdiv(num_rows, block_r),),
+        key, value, target, slot_mapping, k_scale, v_scale,
+        num_rows, num_heads, num_slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        target.stride(0), target.stride(1), target.stride(2),
+        *k_strides, *v_strides,
+        D=D, BLOCK_R=block_r, IS_FP8=fmt is not None, SCALE_MODE=scale_mode, num_warps=4, **constants,
+    )  # fmt: skip
+

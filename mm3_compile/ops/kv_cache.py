@@ -1,0 +1,73 @@
+"""``mm3::kv_cache_write``: insert K/V rows into the paged main KV cache, in place.
+
+The cache's storage dtype comes from ``resolve_cache_view`` (the dtype authority for the cache's
+device), in the real implementation and in the fake alike, so a compiled caller resolves the FP8
+flavour at trace time.  The op is declared as mutating ``kv_cache``: functionalization sees the
+write, and the kernel writes through a view of the very tensor passed (never a copy).
+"""
+
+import torch
+
+from mm3_compile.kernels._launch import eager_launches, require_kernel_device
+from mm3_compile.kernels.kv_cache import write as kernels
+from mm3_compile.ops._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor
+from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
+
+HEAD_DIMS = (64, 128)
+
+
+def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """Validate every argument; returns (typed cache view, FP8 format or None, scale mode)."""
+    check_tensor("key", key, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("value", value, ndim=3)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {list(key.shape)}, got {list(value.shape)}")
+    num_tokens, num_heads, head_dim = key.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"key: head dim D must be one of {HEAD_DIMS}, got {head_dim}")
+    check_last_dim_contiguous("key", key)
+    check_last_dim_contiguous("value", value)
+    check_tensor("kv_cache", kv_cache, ndim=4)
+    expected = ("num_blocks", num_heads, PAGE_SIZE, 2 * head_dim)
+    if tuple(kv_cache.shape[1:]) != expected[1:]:
+        raise ValueError(
+            f"kv_cache: expected logical shape [num_blocks, Hkv, {PAGE_SIZE}, 2*D] = "
+            f"[num_blocks, {num_heads}, {PAGE_SIZE}, {2 * head_dim}], got {list(kv_cache.shape)}"
+        )
+    check_last_dim_contiguous("kv_cache", kv_cache)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping: expected {num_tokens} slots (one per token), got {slot_mapping.shape[0]}")
+    check_same_device("key", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    cache, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, key.dtype)
+    scale_mode = kv_scale_mode(k_scale, v_scale, num_heads, kv_cache.shape[0] * PAGE_SIZE, key.device)
+    return cache, fmt, scale_mode
+
+
+@torch.library.custom_op("mm3::kv_cache_write", mutates_args=("kv_cache",))
+def kv_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """key/value [num_tokens, Hkv, D] -> kv_cache [num_blocks, Hkv, 128, 2D] at slot = page*128 + offset.
+
+    Slots < 0 (padding) and slots >= num_blocks*128 are skipped: nothing is written for them.
+    FP8 specs store ``x / scale`` (scalar or per (head, slot) ``[Hkv, num_blocks*128]``) rounded to
+    nearest-even and saturated, in the flavour the authority gives for the cache's device.
+    """
+    cache, fmt, scale_mode = _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    require_kernel_device("key", key)
+    with eager_launches():
+        kernels.kv_cache_write(key, value, cache, slot_mapping, fmt, scale_mode, k_scale, v_scale)
+
+
+@kv_cache_write.register_fake
+def _(key, value, kv_cache, slot_mapping, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+    _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
