@@ -1,7 +1,7 @@
 """Pure-PyTorch reference for the KV-cache insert, written from the contract, not from the kernel.
 
 FP8 values are ``x / scale`` in fp32, clamped to the format's finite range and converted by torch's
-own round-to-nearest-even cast; bf16/fp16 caches get torch's cast.  Works on a copy.
+own round-to-nearest-even cast; bf16/fp16 caches get the values unchanged.  Works on a copy.
 """
 
 import torch

@@ -10,7 +10,7 @@ out: they are neither read nor written.
 FP8 caches are written as bytes through a uint8 view of the same storage: ``x / scale`` in fp32
 (correctly rounded division, like torch), then ``fp8_encode`` (round-to-nearest-even, saturating
 to the format's max) in the flavour the authority resolved.  bf16/fp16 caches store the values
-cast to the cache dtype; scales only apply to FP8 caches.
+unchanged (the op requires key/value in the cache dtype); scales only apply to FP8 caches.
 """
 
 import torch
@@ -91,8 +91,8 @@ def _kv_cache_write_kernel(
         tl.store(dst, fp8_encode(k, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
         tl.store(dst + D, fp8_encode(v, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
     else:
-        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + D, v.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + D, v, mask=mask)
 
 
 def _no_fp8_constants() -> dict:

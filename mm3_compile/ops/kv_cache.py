@@ -42,6 +42,12 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
         raise ValueError(f"slot_mapping: expected {num_tokens} slots (one per token), got {slot_mapping.shape[0]}")
     check_same_device("key", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
     cache, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, key.dtype)
+    if fmt is None and cache.dtype != key.dtype:
+        # A bf16 <-> fp16/fp32 conversion would round here but not where the model wrote K/V; refuse it.
+        raise TypeError(
+            f"key: kv_cache_dtype={kv_cache_dtype!r} stores {cache.dtype}; key/value must already be {cache.dtype}, "
+            f"got {key.dtype}"
+        )
     scale_mode = kv_scale_mode(k_scale, v_scale, num_heads, kv_cache.shape[0] * PAGE_SIZE, key.device)
     return cache, fmt, scale_mode
 
@@ -61,6 +67,7 @@ def kv_cache_write(
     Slots < 0 (padding) and slots >= num_blocks*128 are skipped: nothing is written for them.
     FP8 specs store ``x / scale`` (scalar or per (head, slot) ``[Hkv, num_blocks*128]``) rounded to
     nearest-even and saturated, in the flavour the authority gives for the cache's device.
+    bf16/fp16 caches store key/value unchanged (same dtype required; scales are not applied).
     """
     cache, fmt, scale_mode = _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     require_kernel_device("key", key)
