@@ -32,15 +32,15 @@ def sparse_attn_ref(
     T = topk_idx.shape[2]
     max_blocks = block_table.shape[1]
     cache = kv_cache.view(storage_dtype) if kv_cache.dtype == torch.uint8 else kv_cache
-    cache = cache.double()  # [num_blocks, Hkv, 128, 2D]
+    cache = cache.cpu().double()  # [num_blocks, Hkv, 128, 2D]
     keys_all, values_all = cache[..., :D], cache[..., D:]
     if k_scale is not None:
         if k_scale.numel() == 1:
-            keys_all = keys_all * k_scale.double().reshape(())
-            values_all = values_all * v_scale.double().reshape(())
+            keys_all = keys_all * k_scale.cpu().double().reshape(())
+            values_all = values_all * v_scale.cpu().double().reshape(())
         else:  # scale[h, page * 128 + offset]
-            keys_all = keys_all * k_scale.double().reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
-            values_all = values_all * v_scale.double().reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
+            keys_all = keys_all * k_scale.cpu().double().reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
+            values_all = values_all * v_scale.cpu().double().reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
 
     out = torch.zeros(total_q, Hq, D, dtype=torch.float64)
     qd = q.double().cpu()
@@ -65,8 +65,8 @@ def sparse_attn_ref(
                     continue
                 positions = torch.cat([b * PAGE + offsets for b, _ in kept])  # [n_keys]
                 page_ids = torch.tensor([pg for _, pg in kept])
-                k = keys_all[page_ids, h].reshape(-1, D).cpu()  # [n_keys, D]
-                v = values_all[page_ids, h].reshape(-1, D).cpu()
+                k = keys_all[page_ids, h].reshape(-1, D)  # [n_keys, D]
+                v = values_all[page_ids, h].reshape(-1, D)
                 visible = (positions <= p) & (positions < lens[r])
                 logits = qd[t, h * G : (h + 1) * G] @ k.T * sm_scale  # [G, n_keys]
                 logits = logits.masked_fill(~visible, float("-inf"))

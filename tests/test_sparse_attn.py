@@ -1,0 +1,404 @@
+"""mm3::sparse_attn_prefill and mm3::sparse_attn_decode against the float64 reference.
+
+Inputs are N(0, 1) (q, K, V) with sm_scale = D^-0.5.  Tolerances (kernel output in the model
+dtype vs the fp64 reference decoding the same cache bytes):
+* bf16: max abs err < 2e-2, mean abs err < 1.5e-3 (bf16 K/V-dequant, P and output roundings;
+  measured ~7e-3 / 6e-4 with outputs of mean magnitude ~0.1);
+* fp16: max abs err < 2e-3, mean abs err < 1.5e-4 (measured ~3e-4 / 3e-5).
+The platform round trip compares an FP8 cache against the bf16 cache it was made from, where the
+FP8 quantisation error dominates: max < 0.1, mean < 0.01 (e4m3: 3 mantissa bits; measured
+~4e-2 / 4e-3); the e4m3fn misreading is off by ~0.36 mean and >2 max.
+
+Every case hides traps that a wrong kernel would fall into: the cache is a view inside a buffer
+whose neighbouring pages are NaN, the block table is a view whose hidden columns point at real
+pages, top-k slots past ``min(T, p // 128 + 1)`` hold block 0 (valid, but must not be used), and
+the top-k tensor is a transposed (token-major) view.  FP8 caches are written with torch's own
+casts ("reference path") in the flavour the dtype authority gives for the emulated platform.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mm3_compile import platform
+from mm3_compile.kernels._launch import eager_launches
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
+from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
+
+PAGE = 128
+TOLERANCE = {torch.bfloat16: (2e-2, 1.5e-3), torch.float16: (2e-3, 1.5e-4)}  # (max abs, mean abs)
+FP8_ROUND_TRIP_TOLERANCE = (0.1, 0.01)
+FP8_CASES = [  # (target, spec, layout, scale mode): every flavour, rotating the other axes
+    ("sm_90", "fp8", "HND", "scalar"),
+    ("sm_90", "fp8_e5m2", "NHD", "per_token_head"),
+    ("gfx942", "fp8", "NHD", "none"),
+    ("gfx942", "fp8_e5m2", "HND", "per_token_head"),
+    ("gfx950", "fp8", "HND", "per_token_head"),
+    ("gfx950", "fp8_e5m2", "NHD", "scalar"),
+]
+
+
+@dataclasses.dataclass
+class Case:
+    q: torch.Tensor  # [total_q, Hq, D]
+    kv_cache: torch.Tensor  # op argument: typed or uint8 [num_blocks, Hkv, 128, 2D]
+    topk_idx: torch.Tensor  # [Hkv, total_q, T]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    cu_seqlens_q: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    sm_scale: float
+    kv_cache_dtype: str
+    storage_dtype: torch.dtype
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    values: torch.Tensor  # [num_blocks, Hkv, 128, 2D] fp32 K/V the cache was made from
+
+    def prefill_args(self):
+        return (self.q, self.kv_cache, self.topk_idx, self.block_table, self.cu_seqlens_q, self.seq_lens,
+                self.sm_scale, self.kv_cache_dtype, self.k_scale, self.v_scale)  # fmt: skip
+
+    def decode_args(self):
+        return (self.q, self.kv_cache, self.topk_idx, self.block_table, self.seq_lens, self.sm_scale,
+                self.kv_cache_dtype, self.k_scale, self.v_scale)  # fmt: skip
+
+    def reference(self, storage_dtype=None):
+        return sparse_attn_ref(
+            self.q, self.kv_cache, self.topk_idx, self.block_table, self.cu_seqlens_q, self.seq_lens, self.sm_scale,
+            storage_dtype or self.storage_dtype, self.k_scale, self.v_scale,
+        )  # fmt: skip
+
+
+def fill_cache(values, storage_dtype, nan_fill, layout):
+    """values [nb, Hkv, 128, 2D] -> cache view in ``layout`` inside a buffer with a NaN page either side."""
+    nb, Hkv, _, width = values.shape
+    physical = (nb + 2, Hkv, PAGE, width) if layout == "HND" else (nb + 2, PAGE, Hkv, width)
+    buffer = torch.full(physical, nan_fill, dtype=storage_dtype, device=values.device)
+    cache = buffer[1:-1] if layout == "HND" else buffer[1:-1].permute(0, 2, 1, 3)  # logical [nb, Hkv, 128, 2D]
+    cache.copy_(values.to(storage_dtype) if storage_dtype != torch.uint8 else values)
+    return cache
+
+
+def build(
+    device,
+    reqs,  # [(seq_len, q_len)]
+    *,
+    D=64,
+    Hkv=1,
+    G=4,
+    T=4,
+    model_dtype=torch.bfloat16,
+    spec="auto",
+    layout="HND",
+    scale="none",
+    corrupt=False,
+    typed_fp8=False,
+    seed=0,
+):
+    """A random paged-attention problem; FP8 specs must be built under the platform being tested."""
+    gen = torch.Generator().manual_seed(seed)
+    Hq = Hkv * G
+    blocks_per_req = [math.ceil(s / PAGE) for s, _ in reqs]
+    num_blocks = sum(blocks_per_req) + 1
+    max_blocks = max(blocks_per_req + [1])
+    pages = torch.randperm(num_blocks, generator=gen)  # logical -> physical is scrambled
+    # Hidden columns past max_blocks hold a real page: reading them would change the result.
+    table = torch.zeros(len(reqs), max_blocks + 2, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks_per_req):
+        table[r, :n] = pages[start : start + n].to(torch.int32)
+        start += n
+    if corrupt:
+        # A truncated table (request 0's last block is not addressable) and pages outside the cache,
+        # which sit on the NaN pages around the cache view: all must be skipped.
+        max_blocks = max(1, blocks_per_req[0] - 1)
+        table[0, 1] = num_blocks
+        table[1, 0] = -1
+    block_table = table.to(device)[:, :max_blocks]
+
+    total_q = sum(q for _, q in reqs)
+    cu = torch.tensor([0] + [q for _, q in reqs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q_full = torch.randn(total_q, Hq + 2, D, generator=gen)
+    q = q_full.to(model_dtype).to(device)[:, :Hq]  # a strided view, as when q is sliced out of qkv
+
+    topk = torch.full((total_q, Hkv, T), 0, dtype=torch.int32)  # token-major, as allocated on CUDA
+    for r, (seq_len, q_len) in enumerate(reqs):
+        for i in range(q_len):
+            t, p = int(cu[r]) + i, seq_len - q_len + i
+            if p < 0:
+                continue
+            own = p // PAGE
+            n = min(T, own + 1)
+            for h in range(Hkv):
+                others = torch.randperm(own, generator=gen)[: n - 1].to(torch.int32)
+                topk[t, h, :n] = torch.cat([torch.tensor([own], dtype=torch.int32), others])
+                if corrupt and n > 1:
+                    junk = torch.tensor([-1, own + 1, -5, 10**6, own + 40], dtype=torch.int32)
+                    slot = int(torch.randint(1, n, (1,), generator=gen))
+                    topk[t, h, slot] = junk[int(torch.randint(0, len(junk), (1,), generator=gen))]
+    if corrupt:
+        topk[0, 0, :] = -1  # a row with no valid slot at all: zeros, not NaN
+    topk_idx = topk.to(device).transpose(0, 1)  # [Hkv, total_q, T] view
+
+    values = torch.randn(num_blocks, Hkv, PAGE, 2 * D, generator=gen).to(device)
+    k_scale = v_scale = None
+    storage = platform.resolve_kv_cache_dtype(spec, device, model_dtype)
+    if platform.is_fp8(storage):
+        fmt = platform.fp8_format(storage)
+        if scale == "scalar":
+            k_scale = torch.tensor([0.5], device=device)
+            v_scale = torch.tensor([0.25], device=device)
+            k_div, v_div = k_scale, v_scale
+        elif scale == "per_token_head":
+            k_scale = (0.25 + 2 * torch.rand(Hkv, num_blocks * PAGE, generator=gen)).to(device)
+            v_scale = (0.25 + 2 * torch.rand(Hkv, num_blocks * PAGE, generator=gen)).to(device)
+            # scale[h, page * 128 + offset] -> [nb, Hkv, 128, 1]
+            k_div = k_scale.reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
+            v_div = v_scale.reshape(Hkv, num_blocks, PAGE).transpose(0, 1)[..., None]
+        else:
+            k_div = v_div = torch.ones((), device=device)
+        scaled = torch.cat([values[..., :D] / k_div, values[..., D:] / v_div], dim=-1)
+        codes = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8)
+        cache = fill_cache(codes, torch.uint8, fmt.nan_byte, layout)
+        if typed_fp8:
+            cache = cache.view(fmt.dtype)
+    else:
+        cache = fill_cache(values, storage, float("nan"), layout)
+    return Case(
+        q, cache, topk_idx, block_table, cu.to(device), torch.tensor([s for s, _ in reqs], dtype=torch.int32,
+        device=device), D**-0.5, spec, storage, k_scale, v_scale, values,
+    )  # fmt: skip
+
+
+def assert_close(out, ref, dtype, what=""):
+    max_tol, mean_tol = TOLERANCE[dtype]
+    assert out.dtype == dtype and not out.isnan().any(), what
+    err = (out.float() - ref.float()).abs()
+    assert err.max() < max_tol and err.mean() < mean_tol, f"{what}: max err {err.max():.3g}, mean {err.mean():.3g}"
+
+
+# Ragged prefill batch: a long prefix straddling block boundaries, a request with no new tokens,
+# a chunk starting mid-block, and a short request with fewer visible blocks than T.
+PREFILL_REQS = [(300, 9), (140, 0), (263, 6), (40, 5)]
+DECODE_REQS = [(300, 2), (0, 2), (129, 2)]  # (seq_len, q_per_req); seq_len 0 = CUDA-graph padding
+
+
+@pytest.mark.parametrize(
+    "model_dtype, layout, D, Hkv, G",
+    [(torch.bfloat16, "HND", 128, 2, 4), (torch.float16, "NHD", 64, 1, 8), (torch.bfloat16, "NHD", 64, 1, 1)],
+)
+def test_prefill_matches_reference(model_dtype, layout, D, Hkv, G, device):
+    case = build(device, PREFILL_REQS, D=D, Hkv=Hkv, G=G, model_dtype=model_dtype, layout=layout)
+    out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+    assert out.shape == case.q.shape and out.is_contiguous()
+    assert_close(out, case.reference(), model_dtype, "prefill")
+
+
+def test_prefill_16_heads_per_kv_head(device):
+    case = build(device, [(200, 3)], D=64, Hkv=1, G=16)
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("target, spec, layout, scale", FP8_CASES)
+def test_prefill_fp8(target, spec, layout, scale, device):
+    with platform.emulate(target):
+        case = build(device, [(300, 6), (70, 3)], spec=spec, layout=layout, scale=scale, typed_fp8=target == "gfx950")
+        assert case.storage_dtype == platform.resolve_kv_cache_dtype(spec, device, torch.bfloat16)
+        out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+    assert_close(out, case.reference(), torch.bfloat16, f"{target} {spec} {case.storage_dtype}")
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_invalid_topk_entries_are_ignored(op, device):
+    """-1, beyond p // 128, beyond a truncated block table, huge ids; a row with no valid slot -> 0."""
+    reqs = [(300, 7), (260, 7)] if op == "prefill" else [(300, 1), (260, 1), (390, 1)]
+    case = build(device, reqs, D=64, Hkv=2, G=2, corrupt=True, seed=3)
+    if op == "prefill":
+        out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+    else:
+        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    assert (out[0, :2] == 0).all()  # token 0, KV head 0: every slot invalid
+    assert_close(out, case.reference(), torch.bfloat16, op)
+
+
+@pytest.mark.parametrize(
+    "model_dtype, layout, D, Hkv, G",
+    [(torch.bfloat16, "NHD", 128, 2, 4), (torch.float16, "HND", 64, 1, 8)],
+)
+def test_decode_matches_reference(model_dtype, layout, D, Hkv, G, device):
+    case = build(device, DECODE_REQS, D=D, Hkv=Hkv, G=G, model_dtype=model_dtype, layout=layout)
+    out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    assert (out[2:4] == 0).all()  # the padding request
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
+    assert_close(out, ref, model_dtype, "decode")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 4])
+def test_decode_split_counts(num_splits, device):
+    """Any split count merges to the same answer, including splits that own no slot (3 splits of 4 slots)."""
+    case = build(device, [(400, 1), (0, 1), (200, 1)], D=64, Hkv=1, G=4, T=4)
+    view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+    with eager_launches():
+        out = decode_kernels.sparse_attn_decode(
+            case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
+            num_splits=num_splits,
+        )  # fmt: skip
+    assert (out[1] == 0).all()
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
+    assert_close(out, ref, torch.bfloat16, f"{num_splits} splits")
+
+
+def test_split_plan_uses_shapes_only():
+    cpu = torch.device("cpu")
+    assert decode_kernels.split_plan(1, 1, 16, cpu) == (8, 2)  # 8 programs in the interpreter
+    assert decode_kernels.split_plan(1000, 4, 16, cpu) == (1, 16)
+    assert decode_kernels.split_plan(3, 1, 4, cpu) == (2, 2)
+
+
+@pytest.mark.parametrize("target, spec, layout, scale", FP8_CASES)
+def test_decode_fp8(target, spec, layout, scale, device):
+    with platform.emulate(target):
+        case = build(device, [(260, 1), (0, 1), (129, 1)], spec=spec, layout=layout, scale=scale, Hkv=2, G=2)
+        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    assert (out[1] == 0).all()
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(out, ref, torch.bfloat16, f"{target} {spec}")
+
+
+def test_scales_ignored_for_bf16_cache(device):
+    case = build(device, [(200, 1), (150, 1)])
+    scales = torch.tensor([4.0], device=device)
+    plain = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    args = case.decode_args()[:7] + (scales, scales)
+    assert torch.equal(torch.ops.mm3.sparse_attn_decode(*args), plain)
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_platform_round_trip_gfx942(op, device):
+    """gfx942 stores e4m3fnuz: decoding it right is within fp8 error of the bf16 cache; as e4m3fn (#45562) it is not."""
+    reqs = [(300, 5), (150, 4)] if op == "prefill" else [(300, 1), (150, 1)]
+    with platform.emulate("gfx942"):
+        fp8 = build(device, reqs, spec="fp8", seed=7)
+        assert fp8.storage_dtype == platform.FP8_E4M3_FNUZ
+        bf16 = dataclasses.replace(
+            fp8, kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "HND"), kv_cache_dtype="auto",
+            storage_dtype=torch.bfloat16,
+        )  # fmt: skip
+        if op == "prefill":
+            out = torch.ops.mm3.sparse_attn_prefill(*fp8.prefill_args())
+        else:
+            out = torch.ops.mm3.sparse_attn_decode(*fp8.decode_args())
+    expected = bf16.reference()  # attention on the bf16 cache the FP8 one was made from
+    max_tol, mean_tol = FP8_ROUND_TRIP_TOLERANCE
+    err = (out.float() - expected).abs()
+    assert err.max() < max_tol and err.mean() < mean_tol, f"max {err.max():.3g} mean {err.mean():.3g}"
+    wrong = fp8.reference(storage_dtype=platform.FP8_E4M3_OCP)  # the same bytes read as e4m3fn
+    wrong_err = (wrong - expected).abs()
+    assert wrong_err.mean() > 10 * mean_tol and wrong_err.max() > 4 * max_tol
+
+
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+def test_opcheck(spec, device):
+    case = build(device, [(150, 2), (0, 0), (20, 1)], spec=spec, scale="scalar", D=64, Hkv=1, G=2, T=2)
+    torch.library.opcheck(torch.ops.mm3.sparse_attn_prefill.default, case.prefill_args())
+    case = build(device, [(150, 1), (0, 1)], spec=spec, scale="per_token_head", D=64, Hkv=1, G=2, T=2)
+    torch.library.opcheck(torch.ops.mm3.sparse_attn_decode.default, case.decode_args())
+
+
+def _bad_inputs():
+    def edit(**changes):
+        def make(case):
+            args = dict(zip(PREFILL_NAMES, case.prefill_args()))
+            for name, fn in changes.items():
+                args[name] = fn(args[name], case)
+            return tuple(args.values())
+
+        return make
+
+    return [
+        (edit(q=lambda q, c: q[0]), ValueError, "q: expected a 3-D tensor"),
+        (edit(q=lambda q, c: q.float()), TypeError, "q: expected dtype"),
+        (edit(q=lambda q, c: q[..., :32]), ValueError, "q: head dim must be one of"),
+        (edit(q=lambda q, c: q.half()), TypeError, "kv_cache: kv_cache_dtype='auto' with model dtype torch.float16"),
+        (edit(q=lambda q, c: q[:, :3]), ValueError, r"must be a multiple of the KV heads"),
+        (edit(kv_cache=lambda kv, c: kv[:, :, :64]), ValueError, r"kv_cache: expected logical shape"),
+        (edit(kv_cache=lambda kv, c: kv[0]), ValueError, "kv_cache: expected a 4-D tensor"),
+        (edit(topk_idx=lambda t, c: t.long()), TypeError, "topk_idx: expected dtype"),
+        (edit(topk_idx=lambda t, c: t[:, :1]), ValueError, r"topk_idx: expected shape \[Hkv=2, total_q=4"),
+        (edit(block_table=lambda b, c: b.long()), TypeError, "block_table: expected dtype"),
+        (edit(block_table=lambda b, c: b[:1]), ValueError, "block_table: expected 2 rows"),
+        (edit(cu_seqlens_q=lambda cu, c: cu.long()), TypeError, "cu_seqlens_q: expected dtype"),
+        (edit(cu_seqlens_q=lambda cu, c: cu[:2]), ValueError, "cu_seqlens_q: expected num_reqs"),
+        (edit(seq_lens=lambda s, c: s.long()), TypeError, "seq_lens: expected dtype"),
+        (edit(kv_cache_dtype=lambda s, c: "int4"), ValueError, "kv_cache_dtype: unknown spec"),
+        (edit(k_scale=lambda s, c: torch.ones(1, device=c.q.device)), ValueError, "k_scale/v_scale: pass both"),
+        (
+            edit(k_scale=lambda s, c: torch.ones(1, 7, device=c.q.device),
+                 v_scale=lambda s, c: torch.ones(1, 7, device=c.q.device)),
+            ValueError, r"k_scale: expected one element \(scalar mode\) or shape \[Hkv, num_blocks\*128\]",
+        ),  # fmt: skip
+        (
+            edit(k_scale=lambda s, c: torch.ones(1, device=c.q.device, dtype=torch.float64),
+                 v_scale=lambda s, c: torch.ones(1, device=c.q.device, dtype=torch.float64)),
+            TypeError, "k_scale: expected a float32 tensor",
+        ),  # fmt: skip
+    ]
+
+
+PREFILL_NAMES = ("q", "kv_cache", "topk_idx", "block_table", "cu_seqlens_q", "seq_lens", "sm_scale", "kv_cache_dtype",
+                 "k_scale", "v_scale")  # fmt: skip
+
+
+@pytest.mark.parametrize("make, error, match", _bad_inputs())
+def test_prefill_bad_input(make, error, match, device):
+    case = build(device, [(150, 3), (10, 1)], D=64, Hkv=2, G=2, T=2)
+    with pytest.raises(error, match=match):
+        torch.ops.mm3.sparse_attn_prefill(*make(case))
+
+
+def test_fp8_cache_of_the_wrong_flavour_is_refused(device):
+    with platform.emulate("gfx942"):
+        case = build(device, [(150, 1)], spec="fp8")
+        wrong = case.kv_cache.view(platform.FP8_E4M3_OCP)  # typed as e4m3fn on a FNUZ platform
+        with pytest.raises(TypeError, match="float8_e4m3fnuz.*typed torch.float8_e4m3fn"):
+            torch.ops.mm3.sparse_attn_decode(case.q, wrong, *case.decode_args()[2:])
+
+
+def test_decode_bad_input(device):
+    case = build(device, [(150, 2), (10, 2)], D=64)
+    args = case.decode_args()
+    with pytest.raises(ValueError, match=r"total_q \(3\) to be a positive multiple of num_reqs \(2"):
+        torch.ops.mm3.sparse_attn_decode(case.q[:3], args[1], args[2][:, :3], *args[3:])
+    with pytest.raises(TypeError, match="seq_lens: expected dtype"):
+        torch.ops.mm3.sparse_attn_decode(*args[:4], args[4].long(), *args[5:])
+    with pytest.raises(ValueError, match="q: query heads per KV head must be in"):
+        q = torch.zeros(4, 32, 64, dtype=torch.bfloat16, device=device)
+        torch.ops.mm3.sparse_attn_decode(q, *args[1:])
+
+
+# ---------------------------------------------------------------- GPU (H200): M3 shapes, larger batches
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq, Hkv", [(64, 4), (8, 1)])
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+def test_gpu_prefill_m3_shapes(Hq, Hkv, spec, device):
+    case = build(device, [(2600, 1300), (1900, 1900), (700, 0), (1200, 64)], D=128, Hkv=Hkv, G=Hq // Hkv, T=16,
+                 spec=spec, scale="scalar" if spec != "auto" else "none", seed=11)  # fmt: skip
+    out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+    assert_close(out, case.reference(), torch.bfloat16, f"prefill Hq{Hq} {spec}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq, Hkv", [(64, 4), (8, 1)])
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+@pytest.mark.parametrize("num_reqs, q_per_req", [(1, 1), (32, 1), (8, 3)])
+def test_gpu_decode_m3_shapes(Hq, Hkv, spec, num_reqs, q_per_req, device):
+    gen = torch.Generator().manual_seed(num_reqs)
+    lens = torch.randint(q_per_req, 5000, (num_reqs,), generator=gen).tolist()
+    lens[-1] = 0 if num_reqs > 1 else lens[-1]  # a padding request
+    case = build(device, [(s, q_per_req) for s in lens], D=128, Hkv=Hkv, G=Hq // Hkv, T=16, spec=spec,
+                 scale="per_token_head" if spec != "auto" else "none", seed=5)  # fmt: skip
+    out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(out, ref, torch.bfloat16, f"decode Hq{Hq} {spec} B{num_reqs}x{q_per_req}")
