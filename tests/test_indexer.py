@@ -1,0 +1,222 @@
+"""mm3::index_topk against the float64 sort-based reference.
+
+Most inputs are small integers: every dot product is then exact in fp32 whatever the summation
+order, so block scores tie exactly and often, and the index lists must match the reference
+exactly -- order included, ties toward the lower block id.  Random-float inputs are compared
+through the reference's scores (near-ties may legitimately swap).
+"""
+
+import pytest
+import torch
+
+from mm3_compile.kernels.indexer.naive import index_block_scores_ref, index_topk_ref
+
+PAGE = 128
+
+
+def make_inputs(requests, num_heads, head_dim, device, dtype=torch.bfloat16, seed=0, integer=True):
+    """requests: [(q_len, seq_len)] -> index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens.
+
+    Pages are shuffled over the cache; block-table entries past a request's blocks hold garbage
+    (out-of-range page ids) that must never matter.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [q for q, _ in requests]
+    seq_lens = [s for _, s in requests]
+    blocks = [-(-s // PAGE) for s in seq_lens]
+    max_blocks = max(blocks + [1]) + 1
+    num_pages = sum(blocks) + 2
+    pages = torch.randperm(num_pages, generator=g).to(torch.int32)
+    block_table = torch.full((len(requests), max_blocks), 1 << 30, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        block_table[r, :n] = pages[start : start + n]
+        start += n
+    total_q = sum(q_lens)
+    if integer:
+        index_q = torch.randint(-3, 4, (total_q, num_heads, head_dim), generator=g).to(dtype)
+        index_k = torch.randint(-3, 4, (num_pages, PAGE, head_dim), generator=g).to(dtype)
+    else:
+        index_q = torch.randn(total_q, num_heads, head_dim, generator=g).to(dtype)
+        index_k = torch.randn(num_pages, PAGE, head_dim, generator=g).to(dtype)
+    cu_seqlens_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    tensors = (index_q, index_k, block_table, cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32))
+    return tuple(t.to(device) for t in tensors)
+
+
+def check_exact(args, topk, init_blocks, local_blocks):
+    out = torch.ops.mm3.index_topk(*args, topk, init_blocks, local_blocks)
+    cpu_args = [t.cpu() for t in args]
+    expected = index_topk_ref(*cpu_args, topk, init_blocks, local_blocks)
+    assert out.dtype == torch.int32 and out.shape == expected.shape
+    mismatch = (out.cpu() != expected).any(-1).nonzero()
+    if mismatch.numel():
+        h, t = mismatch[0].tolist()
+        pytest.fail(f"{mismatch.shape[0]} rows differ; head {h} token {t}: {out[h, t].tolist()} vs {expected[h, t].tolist()}")
+    return out.cpu()
+
+
+SCENARIOS = {
+    # prefill: a long cached prefix with a few new tokens, a chunk straddling block boundaries, a short one
+    "prefill_ragged": [(5, 1000), (73, 200), (2, 129)],
+    "prefill_from_zero": [(130, 130), (40, 40)],
+    "decode_q1": [(1, 700), (1, 0), (1, 128), (1, 129), (1, 1)],  # seq_len 0: CUDA-graph padding
+    "decode_q4": [(4, 900), (4, 0), (4, 131), (4, 4)],
+}
+SETTINGS = [(16, 0, 1), (2, 0, 1), (3, 1, 2), (4, 2, 0)]  # (topk, init_blocks, local_blocks)
+
+
+@pytest.mark.parametrize("topk, init_blocks, local_blocks", SETTINGS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_reference_exactly(scenario, topk, init_blocks, local_blocks, device):
+    args = make_inputs(SCENARIOS[scenario], 2, 64, device, seed=len(scenario) + topk)
+    out = check_exact(args, topk, init_blocks, local_blocks)
+    # Independent of the reference: every row holds min(topk, nb) distinct visible ids, then -1.
+    positions = torch.cat([p for p, _ in index_block_scores_ref(*[t.cpu() for t in args])])
+    nb = torch.clamp(positions // PAGE + 1, min=0)
+    for t, n in enumerate(nb.tolist()):
+        keep = min(topk, n)
+        for h in range(out.shape[0]):
+            row = out[h, t].tolist()
+            assert all(x == -1 for x in row[keep:]) and len(set(row[:keep])) == keep
+            assert all(0 <= x < n for x in row[:keep])
+            if local_blocks and not init_blocks and keep:
+                assert row[0] == n - 1  # the own block is forced
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes(dtype, device):
+    check_exact(make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device, dtype=dtype, seed=3), 4, 0, 1)
+
+
+@pytest.mark.parametrize("num_heads, head_dim", [(1, 16), (4, 128), (2, 48)])
+def test_head_shapes(num_heads, head_dim, device):
+    check_exact(make_inputs([(3, 600), (1, 300), (20, 20)], num_heads, head_dim, device, seed=head_dim), 3, 0, 1)
+
+
+def test_identical_blocks_tie_toward_lower_id(device):
+    """Identical pages: all full blocks score the same, so the order is own block, then 0, 1, 2, ..."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(2, 1100), (1, 700)], 2, 64, device, seed=1)
+    index_k = index_k[:1].expand_as(index_k).contiguous()
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 5, 0, 1)
+    for t, (nb, own) in enumerate([(9, 8), (9, 8), (6, 5)]):
+        assert out[:, t].tolist() == [[own, 0, 1, 2, 3]] * 2
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 4, 2, 1)
+    assert out[:, 2].tolist() == [[0, 1, 5, 2]] * 2  # init blocks (1e30) above the local one (1e29)
+
+
+def test_zero_scores_tie_across_signs(device):
+    """A -0.0 block score ties with +0.0 ones: the lower id wins, whatever sign the dot produced."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 640)], 1, 16, device, seed=2)
+    index_q = torch.full_like(index_q, -0.0)
+    index_q[..., 0] = 1.0
+    index_k = torch.zeros_like(index_k)
+    index_k[block_table[0, 1].long(), :, 0] = -1.0  # block 1 scores -1
+    index_k[block_table[0, 2].long(), :, 0] = -0.0  # block 2: every product -0.0; blocks 0 and 3: +0.0
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 5, 0, 1)
+    assert out[0, 0].tolist() == [4, 0, 2, 3, 1]
+
+
+def test_nan_scores_rank_last(device):
+    """NaN block scores (a NaN key, or a NaN query) count as -1e30; ties among them go to the lower id."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(3, 1000), (2, 300)], 2, 32, device, seed=4)
+    index_k[block_table[0, 2].long(), 7, 3] = float("nan")  # block 2 of request 0 (visible to all its queries)
+    index_k[block_table[0, 5].long(), 0, 0] = float("nan")
+    index_q[3, 1, 0] = float("nan")  # token 3 (request 1), head 1: every block NaN
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 8, 0, 1)
+    assert out[0, 0, -2:].tolist() == [2, 5] and out[1, 0, -2:].tolist() == [2, 5]
+    assert out[1, 3].tolist() == [2, 0, 1, -1, -1, -1, -1, -1]
+    check_exact((index_q, index_k, block_table, cu, seq_lens), 3, 1, 1)
+
+
+def test_random_floats_select_top_scores(device):
+    """Non-integer inputs: the kernel's picks must carry the reference's top scores (near-ties may swap)."""
+    requests = [(6, 1200), (50, 180), (1, 900)]
+    args = make_inputs(requests, 2, 128, device, seed=7, integer=False)
+    topk = 6
+    out = torch.ops.mm3.index_topk(*args, topk, 0, 1).cpu()
+    cpu_args = [t.cpu() for t in args]
+    expected = index_topk_ref(*cpu_args, topk, 0, 1)
+    token = 0
+    for positions, block_scores in index_block_scores_ref(*cpu_args):
+        for i in range(positions.shape[0]):
+            for h in range(out.shape[0]):
+                got, want = out[h, token + i], expected[h, token + i]
+                assert torch.equal(got < 0, want < 0) and got[0] == want[0]  # forced own block first
+                picked = block_scores[h, i, got[1:][got[1:] >= 0].long()]
+                best = block_scores[h, i, want[1:][want[1:] >= 0].long()]
+                torch.testing.assert_close(picked, best, rtol=0, atol=1e-3)
+        token += positions.shape[0]
+
+
+def test_opcheck(device):
+    op = torch.ops.mm3.index_topk.default
+    torch.library.opcheck(op, (*make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device), 4, 0, 1))
+    torch.library.opcheck(op, (*make_inputs(SCENARIOS["decode_q4"], 1, 32, device), 16, 1, 1))
+
+
+def _bad(**overrides):
+    def make(device):
+        names = ("index_q", "index_k_cache", "block_table", "cu_seqlens_q", "seq_lens")
+        args = dict(zip(names, make_inputs([(2, 200), (1, 50)], 2, 64, device)), topk=4, init_blocks=0, local_blocks=1)
+        for name, f in overrides.items():
+            args[name] = f(args[name]) if callable(f) else f
+        return args
+
+    return make
+
+
+BAD_INPUTS = [
+    (_bad(index_q=lambda t: t[:, 0]), ValueError, "index_q: expected a 3-D"),
+    (_bad(index_q=lambda t: t.to(torch.int32)), TypeError, "index_q: expected dtype"),
+    (_bad(index_q=lambda t: t[..., :8]), ValueError, "index head dim must be in"),
+    (_bad(index_k_cache=lambda t: t.half()), TypeError, "index_k_cache: expected the dtype of index_q"),
+    (_bad(index_k_cache=lambda t: t[:, :64]), ValueError, r"index_k_cache: expected shape \[num_blocks, 128"),
+    (_bad(index_k_cache=lambda t: t[..., :32]), ValueError, r"index_k_cache: expected shape"),
+    (_bad(index_k_cache=lambda t: t[0]), ValueError, "index_k_cache: expected a 3-D"),
+    (_bad(block_table=lambda t: t.long()), TypeError, "block_table: expected dtype"),
+    (_bad(block_table=lambda t: t[0]), ValueError, "block_table: expected a 2-D"),
+    (_bad(cu_seqlens_q=lambda t: t.long()), TypeError, "cu_seqlens_q: expected dtype"),
+    (_bad(cu_seqlens_q=lambda t: t[:-1]), ValueError, "cu_seqlens_q: expected num_reqs"),
+    (_bad(seq_lens=lambda t: t.long()), TypeError, "seq_lens: expected dtype"),
+    (_bad(seq_lens=lambda t: t[:1]), ValueError, "seq_lens: expected num_reqs"),
+    (_bad(topk=0), ValueError, "topk: expected >= 1"),
+    (_bad(local_blocks=-1), ValueError, "init_blocks/local_blocks"),
+]
+
+
+@pytest.mark.parametrize("make, error, match", BAD_INPUTS)
+def test_bad_input(make, error, match, device):
+    args = make(device)
+    with pytest.raises(error, match=match):
+        torch.ops.mm3.index_topk(**args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=match):  # the fake validates too
+        torch.ops.mm3.index_topk(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("integer", [True, False])
+def test_gpu_large(integer, device):
+    """Hidx 4, 8 requests (prefill chunks with long prefixes and decode rows), up to 8k context, D 128."""
+    requests = [(512, 8192), (1, 8000), (300, 300), (4, 4096), (1, 0), (129, 5000), (64, 2048), (2, 7777)]
+    args = make_inputs(requests, 4, 128, device, seed=11, integer=integer)
+    if integer:
+        check_exact(args, 16, 0, 1)
+        check_exact(args, 16, 1, 2)
+        return
+    out = torch.ops.mm3.index_topk(*args, 16, 0, 1).cpu()
+    cpu_args = [t.cpu() for t in args]
+    expected = index_topk_ref(*cpu_args, 16, 0, 1)
+    assert torch.equal(out < 0, expected < 0) and torch.equal(out[..., 0], expected[..., 0])
+    token = 0
+    for positions, block_scores in index_block_scores_ref(*cpu_args):
+        q_len = positions.shape[0]
+        got = out[:, token : token + q_len, 1:].clamp(min=0).long()  # [Hidx, q_len, 15]
+        want = expected[:, token : token + q_len, 1:].clamp(min=0).long()
+        valid = expected[:, token : token + q_len, 1:] >= 0
+        picked = torch.gather(block_scores, 2, got)[valid]
+        best = torch.gather(block_scores, 2, want)[valid]
+        torch.testing.assert_close(picked, best, rtol=0, atol=1e-2)
+        token += q_len
