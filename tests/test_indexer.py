@@ -149,6 +149,16 @@ def test_random_floats_select_top_scores(device):
         token += positions.shape[0]
 
 
+def test_corrupt_metadata_stays_in_bounds(device):
+    """Page ids outside the cache and a cu_seqlens_q past total_q are masked: valid ids, no crash."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(3, 700), (2, 300)], 2, 32, device, seed=9)
+    block_table[0, 1], block_table[0, 3], block_table[1, 0] = -5, 1 << 30, index_k.shape[0]
+    cu[-1] = cu[-1] + 50
+    out = torch.ops.mm3.index_topk(index_q, index_k, block_table, cu, seq_lens, 4, 0, 1).cpu()
+    assert out.shape == (2, 5, 4)
+    assert ((out >= -1) & (out < 6)).all()
+
+
 def test_opcheck(device):
     op = torch.ops.mm3.index_topk.default
     torch.library.opcheck(op, (*make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device), 4, 0, 1))
@@ -220,3 +230,17 @@ def test_gpu_large(integer, device):
         best = torch.gather(block_scores, 2, want)[valid]
         torch.testing.assert_close(picked, best, rtol=0, atol=1e-2)
         token += q_len
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_traces_symbolically(device):
+    """The launcher is make_fx-traceable with symbolic shapes (no host syncs, no data-dependent Python)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    args = make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device)
+    graph = make_fx(lambda *a: kernels.index_topk(*a, 4, 0, 1), tracing_mode="symbolic")(*args)
+    code = graph.code
+    assert code.count("triton_kernel_wrapper") == 2 and "item" not in code and "tolist" not in code
+    torch.testing.assert_close(graph(*args), torch.ops.mm3.index_topk(*args, 4, 0, 1), rtol=0, atol=0)

@@ -253,3 +253,28 @@ def test_gpu_large(spec, target, layout, device):
         cache = make_cache(num_blocks, num_heads, head_dim, layout, torch.bfloat16 if fmt is None else torch.uint8, device)
         k_scale, v_scale = make_scales("per_token_head" if fmt else "none", num_heads, num_blocks * 128, device, 3)
         run_and_check(key, value, cache, make_slots(num_tokens, num_blocks, device, 4), spec, k_scale, v_scale, fmt)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_traces_symbolically(device):
+    """The launcher is make_fx-traceable with symbolic shapes and records one mutating kernel node."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mm3_compile.kernels.kv_cache import write as kernels
+
+    with platform.emulate("gfx942"):
+        fmt = platform.fp8_format(platform.resolve_kv_cache_dtype("fp8", device, torch.bfloat16))
+        key = wide_values((40, 2, 64), torch.bfloat16, device, 0)
+        cache = make_cache(3, 2, 64, "NHD", torch.uint8, device)
+        slots = make_slots(40, 3, device, 0)
+        k_scale, v_scale = make_scales("per_token_head", 2, 3 * 128, device, 0)
+        expected = kv_cache_write_ref(key.cpu(), key.cpu(), cache.cpu(), slots.cpu(), fmt, k_scale.cpu(), v_scale.cpu())
+
+        def write(k, v, c, s, ks, vs):
+            kernels.kv_cache_write(k, v, c.view(fmt.dtype), s, fmt, 2, ks, vs)
+            return c
+
+        graph = make_fx(write, tracing_mode="symbolic")(key, key, cache.clone(), slots, k_scale, v_scale)
+        assert graph.code.count("triton_kernel_wrapper") == 1 and "item" not in graph.code
+        graph(key, key, cache, slots, k_scale, v_scale)
+    assert_same_bits(cache, expected)

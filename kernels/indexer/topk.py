@@ -45,6 +45,7 @@ def _index_score_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     score_ptr,  # [Hidx, total_q, max_blocks] fp32
     pos_ptr,  # [total_q] int32 query positions (pre-filled with -1)
+    total_q,
     num_pages,
     stride_qt,
     stride_qh,
@@ -69,9 +70,9 @@ def _index_score_kernel(
     if i0 < q_len:
         seq_len = tl.load(seq_lens_ptr + req)
         i = i0 + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query index within the request
-        row_ok = i < q_len
-        pos = seq_len - q_len + i  # [BLOCK_Q] absolute query positions
         tokens = (q_start + i).to(tl.int64)
+        row_ok = (i < q_len) & (tokens < total_q)  # a cu_seqlens_q past total_q reads and writes nothing
+        pos = seq_len - q_len + i  # [BLOCK_Q] absolute query positions
         if block == 0:
             tl.store(pos_ptr + tokens, pos, mask=row_ok)
         last_pos = seq_len - q_len + tl.minimum(i0 + BLOCK_Q, q_len) - 1
@@ -175,7 +176,7 @@ def index_topk(
     launch(
         _index_score_kernel, (triton.cdiv(total_q, block_q), max_blocks, num_reqs),
         index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, scores, positions,
-        index_k_cache.shape[0],
+        total_q, index_k_cache.shape[0],
         index_q.stride(0), index_q.stride(1), index_k_cache.stride(0), index_k_cache.stride(1),
         block_table.stride(0), block_table.stride(1), scores.stride(0), scores.stride(1),
         HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
