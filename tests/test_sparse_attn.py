@@ -402,3 +402,58 @@ def test_gpu_decode_m3_shapes(Hq, Hkv, spec, num_reqs, q_per_req, device):
     out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
     assert_close(out, ref, torch.bfloat16, f"decode Hq{Hq} {spec} B{num_reqs}x{q_per_req}")
+
+
+def test_compiled_caller_does_not_recompile_when_batch_varies(device):
+    """Token counts, request counts and cache sizes are symbolic through the fakes: one graph serves all."""
+    import torch._dynamo.testing
+
+    def step(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens):
+        out = torch.ops.mm3.sparse_attn_prefill(q * 1, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, 0.125)
+        dec = torch.ops.mm3.sparse_attn_decode(q[: seq_lens.shape[0]], kv_cache, topk_idx[:, : seq_lens.shape[0]],
+                                               block_table, seq_lens, 0.125)  # fmt: skip
+        return out.float().sum(-1), dec
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+
+    def args(reqs, seed):
+        case = build(device, reqs, D=64, Hkv=1, G=2, T=2, seed=seed)
+        return (case.q, case.kv_cache, case.topk_idx, case.block_table, case.cu_seqlens_q, case.seq_lens)
+
+    # Duck sizing would tie tiny sizes that happen to be equal (e.g. 4 pages and 4 heads) together.
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        compiled(*args([(140, 3), (20, 2)], 0))
+    frames = counter.frame_count
+    with torch.compiler.set_stance("fail_on_recompile"), torch.fx.experimental._config.patch(use_duck_shape=False):
+        for reqs in ([(300, 4), (10, 2), (130, 3)], [(260, 5), (129, 2)]):
+            inputs = args(reqs, len(reqs))
+            for got, expected in zip(compiled(*inputs), step(*inputs)):
+                torch.testing.assert_close(got, expected)
+    assert counter.frame_count == frames
+
+
+@pytest.mark.gpu
+def test_gpu_launchers_trace_with_symbolic_shapes(device):
+    """make_fx(symbolic) records the kernels (wrap_triton) with symbolic token counts; the graph replays other sizes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
+
+    def tensors(case):
+        view, _ = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+        return case.q, view, case.topk_idx, case.block_table, case.cu_seqlens_q, case.seq_lens
+
+    def prefill(q, kv, topk, table, cu, lens):
+        return prefill_kernels.sparse_attn_prefill(q, kv, None, topk, table, cu, lens, 0.125, None, None, 0)
+
+    def decode(q, kv, topk, table, cu, lens):
+        return decode_kernels.sparse_attn_decode(q, kv, None, topk, table, lens, 0.125, None, None, 0)
+
+    first = build(device, [(700, 300), (300, 300)], D=128, Hkv=2, G=8, T=16, seed=1)
+    second = build(device, [(900, 17), (200, 17), (1500, 17)], D=128, Hkv=2, G=8, T=16, seed=2)
+    for fn in (prefill, decode):
+        graph = make_fx(fn, tracing_mode="symbolic")(*tensors(first))
+        assert "triton_kernel_wrapper" in graph.code
+        torch.testing.assert_close(graph(*tensors(second)), fn(*tensors(second)), atol=0, rtol=0)

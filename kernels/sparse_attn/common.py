@@ -245,7 +245,7 @@ def merge_splits_kernel(
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     for c in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")) - lse_ref)
-        o = tl.load(o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :], mask=head_mask[:, None])
+        o = tl.load(o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :], mask=head_mask[:, None], other=0.0)
         acc += w[:, None] * o.to(tl.float32)
         weight_sum += w
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
@@ -283,7 +283,8 @@ def launch_sparse_attn(
 ) -> None:
     total_q, Hq, D = q.shape
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
-    G = Hq // Hkv
+    # Head counts and the head dim are compile-time tile sizes: a symbolic trace specialises them.
+    G, D = int(Hq // Hkv), int(D)
     T = topk_idx.shape[2]
     num_reqs = seq_lens.shape[0]
     if fmt is not None and not platform.triton_native_fp8(fmt.dtype, q.device):

@@ -73,5 +73,5 @@ def sparse_attn_decode(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
     BLOCK_H = 16
     launch(merge_splits_kernel, (total_q, triton.cdiv(Hq, BLOCK_H)), o_partial, lse, out, total_q, Hq, num_splits,
-           D=D, BLOCK_H=BLOCK_H)  # fmt: skip
+           D=int(D), BLOCK_H=BLOCK_H)  # fmt: skip
     return out
