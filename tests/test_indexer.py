@@ -159,6 +159,13 @@ def test_corrupt_metadata_stays_in_bounds(device):
     assert ((out >= -1) & (out < 6)).all()
 
 
+def test_empty_batch(device):
+    index_q = torch.zeros(0, 2, 64, dtype=torch.bfloat16, device=device)
+    index_k = torch.zeros(2, 128, 64, dtype=torch.bfloat16, device=device)
+    meta = [torch.zeros(shape, dtype=torch.int32, device=device) for shape in ((0, 3), (1,), (0,))]
+    assert torch.ops.mm3.index_topk(index_q, index_k, *meta).shape == (2, 0, 16)
+
+
 def test_opcheck(device):
     op = torch.ops.mm3.index_topk.default
     torch.library.opcheck(op, (*make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device), 4, 0, 1))

@@ -2,10 +2,11 @@
 
 Two kernels, both with shape-derived grids (nothing depends on the longest query or sequence):
 
-1. ``_index_score_kernel``, grid ``(cdiv(total_q, BLOCK_Q), max_blocks, num_reqs)``: a program owns
-   query rows ``[i0, i0 + BLOCK_Q)`` of request ``r`` and logical block ``b``.  Programs past the
-   request's query length, or whose block lies wholly after the tile's last query position, do
-   nothing -- so the block table is only read for blocks some query can see.  The index-K page
+1. ``_index_score_kernel``, grid ``(cdiv(total_q, BLOCK_Q) + num_reqs, max_blocks)``: a program
+   owns one query tile -- rows ``[i0, i0 + BLOCK_Q)`` of one request, found by a binary search
+   over the per-request tile counts -- and logical block ``b``.  Surplus tiles, and blocks lying
+   wholly after the tile's last query position, do nothing -- so the block table is only read
+   for blocks some query can see.  The index-K page
    ``[128, Didx]`` is loaded once and scored against every index head:
    ``S[h, t, b] = max_{j in b, j <= p(t)} <q_h(t), k(j)>`` (fp32 accumulation, no softmax scale).
    A block with a NaN token score scores NaN (NaN-propagating max, like ``torch.amax``).  The
@@ -37,14 +38,29 @@ NAN_SCORE: tl.constexpr = -1e30
 
 
 @triton.jit
+def _find_request(tile_cu_ptr, num_reqs, tile):
+    """Largest r < num_reqs with tile_cu[r] <= tile (requests without query tiles are passed over)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: tile_cu[lo] <= tile < tile_cu[hi] (or hi = num_reqs)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        right = tl.load(tile_cu_ptr + mid) <= tile
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
 def _index_score_kernel(
     q_ptr,  # [total_q, Hidx, Didx]
     k_ptr,  # [num_pages, 128, Didx] index-K cache
     block_table_ptr,  # [num_reqs, max_blocks] int32
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
+    tile_cu_ptr,  # [num_reqs + 1] int32: first query tile of each request (cumulative cdiv(q_len, BLOCK_Q))
     score_ptr,  # [Hidx, total_q, max_blocks] fp32
     pos_ptr,  # [total_q] int32 query positions (pre-filled with -1)
+    num_reqs,
     total_q,
     num_pages,
     stride_qt,
@@ -61,13 +77,13 @@ def _index_score_kernel(
     BLOCK_Q: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
 ):
-    pid_q = tl.program_id(0)
+    tile = tl.program_id(0)
     block = tl.program_id(1)
-    req = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_ptr + req)
-    q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-    i0 = pid_q * BLOCK_Q
-    if i0 < q_len:
+    if tile < tl.load(tile_cu_ptr + num_reqs):  # surplus programs (and num_reqs = 0) read nothing
+        req = _find_request(tile_cu_ptr, num_reqs, tile)
+        q_start = tl.load(cu_seqlens_ptr + req)
+        q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
+        i0 = (tile - tl.load(tile_cu_ptr + req)) * BLOCK_Q
         seq_len = tl.load(seq_lens_ptr + req)
         i = i0 + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query index within the request
         tokens = (q_start + i).to(tl.int64)
@@ -173,10 +189,14 @@ def index_topk(
     scores = torch.empty((num_heads, total_q, max_blocks), dtype=torch.float32, device=device)
     positions = torch.full((total_q,), -1, dtype=torch.int32, device=device)
     block_q = 64
+    # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_Q) <= cdiv(total_q, BLOCK_Q) + num_reqs
+    # bounds the grid by shapes alone (surplus programs exit at once).
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)  # [num_reqs]
+    tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_q - 1) // block_q, 0), (1, 0)).to(torch.int32)
     launch(
-        _index_score_kernel, (triton.cdiv(total_q, block_q), max_blocks, num_reqs),
-        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, scores, positions,
-        total_q, index_k_cache.shape[0],
+        _index_score_kernel, (triton.cdiv(total_q, block_q) + num_reqs, max_blocks),
+        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, tile_cu, scores, positions,
+        num_reqs, total_q, index_k_cache.shape[0],
         index_q.stride(0), index_q.stride(1), index_k_cache.stride(0), index_k_cache.stride(1),
         block_table.stride(0), block_table.stride(1), scores.stride(0), scores.stride(1),
         HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
