@@ -52,7 +52,9 @@ def check_exact(args, topk, init_blocks, local_blocks):
     mismatch = (out.cpu() != expected).any(-1).nonzero()
     if mismatch.numel():
         h, t = mismatch[0].tolist()
-        pytest.fail(f"{mismatch.shape[0]} rows differ; head {h} token {t}: {out[h, t].tolist()} vs {expected[h, t].tolist()}")
+        pytest.fail(
+            f"{mismatch.shape[0]} rows differ; head {h} token {t}: {out[h, t].tolist()} vs {expected[h, t].tolist()}"
+        )
     return out.cpu()
 
 

@@ -5,6 +5,8 @@ FP8 flavours come from the dtype authority under emulated sm_90 (OCP), gfx942 (F
 compared, so untouched slots (padding, out-of-range) are checked too.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -19,7 +21,9 @@ LAYOUTS = ("HND", "NHD")
 def make_cache(num_blocks, num_heads, head_dim, layout, dtype, device, seed=0):
     """Random contents; NHD is physical [nb, 128, Hkv, 2D] exposed as the logical [nb, Hkv, 128, 2D] view."""
     g = torch.Generator().manual_seed(seed)
-    physical = (num_blocks, num_heads, 128, 2 * head_dim) if layout == "HND" else (num_blocks, 128, num_heads, 2 * head_dim)
+    physical = (
+        (num_blocks, num_heads, 128, 2 * head_dim) if layout == "HND" else (num_blocks, 128, num_heads, 2 * head_dim)
+    )
     if dtype == torch.uint8 or platform.is_fp8(dtype):
         raw = torch.randint(0, 256, physical, generator=g, dtype=torch.uint8).view(dtype)
     else:
@@ -245,12 +249,15 @@ def test_bad_input(make, error, match, device):
 @pytest.mark.parametrize("spec, target", [("auto", None), ("fp8", "sm_90"), ("fp8", "gfx942"), ("fp8_e5m2", "gfx950")])
 def test_gpu_large(spec, target, layout, device):
     num_blocks, num_heads, head_dim, num_tokens = 96, 4, 128, 8000
-    emulation = platform.emulate(target) if target else torch.no_grad()
-    with emulation:
-        fmt = None if spec == "auto" else platform.fp8_format(platform.resolve_kv_cache_dtype(spec, device, torch.bfloat16))
+    with platform.emulate(target) if target else contextlib.nullcontext():
+        fmt = None
+        if spec != "auto":
+            fmt = platform.fp8_format(platform.resolve_kv_cache_dtype(spec, device, torch.bfloat16))
         key = wide_values((num_tokens, num_heads, head_dim), torch.bfloat16, device, 1)
         value = wide_values((num_tokens, num_heads, head_dim), torch.bfloat16, device, 2)
-        cache = make_cache(num_blocks, num_heads, head_dim, layout, torch.bfloat16 if fmt is None else torch.uint8, device)
+        cache = make_cache(
+            num_blocks, num_heads, head_dim, layout, torch.bfloat16 if fmt is None else torch.uint8, device
+        )
         k_scale, v_scale = make_scales("per_token_head" if fmt else "none", num_heads, num_blocks * 128, device, 3)
         run_and_check(key, value, cache, make_slots(num_tokens, num_blocks, device, 4), spec, k_scale, v_scale, fmt)
 

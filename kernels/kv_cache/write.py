@@ -134,4 +134,3 @@ def kv_cache_write(
         *k_strides, *v_strides,
         D=D, BLOCK_R=block_r, IS_FP8=fmt is not None, SCALE_MODE=scale_mode, num_warps=4, **constants,
     )  # fmt: skip
-

@@ -41,9 +41,16 @@ def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_len
             f"got {cu_seqlens_q.shape[0]}"
         )
     if seq_lens.shape[0] != num_reqs:
-        raise ValueError(f"seq_lens: expected num_reqs = {num_reqs} entries (one per block_table row), got {seq_lens.shape[0]}")
+        raise ValueError(
+            f"seq_lens: expected num_reqs = {num_reqs} entries (one per block_table row), got {seq_lens.shape[0]}"
+        )
     check_same_device(
-        "index_q", index_q, index_k_cache=index_k_cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens
+        "index_q",
+        index_q,
+        index_k_cache=index_k_cache,
+        block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
     )
     if topk < 1:
         raise ValueError(f"topk: expected >= 1, got {topk}")
