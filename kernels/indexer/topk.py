@@ -6,8 +6,8 @@ Two kernels, both with shape-derived grids (nothing depends on the longest query
    owns one query tile -- rows ``[i0, i0 + BLOCK_Q)`` of one request, found by a binary search
    over the per-request tile counts -- and logical block ``b``.  Surplus tiles, and blocks lying
    wholly after the tile's last query position, do nothing -- so the block table is only read
-   for blocks some query can see.  The index-K page
-   ``[128, Didx]`` is loaded once and scored against every index head:
+   for blocks some query can see.  The index-K page ``[128, Didx]`` is loaded once and scored
+   against every index head:
    ``S[h, t, b] = max_{j in b, j <= p(t)} <q_h(t), k(j)>`` (fp32 accumulation, no softmax scale).
    A block with a NaN token score scores NaN (NaN-propagating max, like ``torch.amax``).  The
    block-0 program of each tile also records the query's absolute position ``p`` for kernel 2.
