@@ -253,3 +253,24 @@ def test_gpu_launcher_traces_symbolically(device):
     code = graph.code
     assert code.count("triton_kernel_wrapper") == 2 and "item" not in code and "tolist" not in code
     torch.testing.assert_close(graph(*args), torch.ops.mm3.index_topk(*args, 4, 0, 1), rtol=0, atol=0)
+
+
+def test_compiled_caller_no_recompiles(device):
+    """Batch size, token count and query lengths are data/symbolic sizes: varying them must not recompile."""
+    import torch._dynamo.testing
+
+    def select(index_q, index_k, block_table, cu_seqlens_q, seq_lens):
+        return torch.ops.mm3.index_topk(index_q * 2, index_k, block_table, cu_seqlens_q, seq_lens, 4, 0, 1)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(select, backend=counter, fullgraph=True, dynamic=True)
+    # The first batch has pairwise-distinct sizes (no duck-sizing equalities); none is 1 (0/1 specialisation).
+    batches = [[(5, 300), (4, 200), (2, 650)], [(1, 700), (1, 0), (1, 129)], [(20, 400), (7, 7), (1, 900), (2, 260)]]
+    compiled(*make_inputs(batches[0], 2, 32, device, seed=0))
+    frames = counter.frame_count
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed, requests in enumerate(batches[1:]):
+            args = make_inputs(requests, 2, 32, device, seed=seed)
+            assert torch.equal(compiled(*args), select(*args))
+    assert counter.frame_count == frames

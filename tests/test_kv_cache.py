@@ -285,3 +285,30 @@ def test_gpu_launcher_traces_symbolically(device):
         assert graph.code.count("triton_kernel_wrapper") == 1 and "item" not in graph.code
         graph(key, key, cache, slots, k_scale, v_scale)
     assert_same_bits(cache, expected)
+
+
+def test_compiled_caller_no_recompiles(device):
+    """The token count is a symbolic size: new batch sizes reuse the compiled graph."""
+    import torch._dynamo.testing
+
+    def write(key, value, cache, slots):
+        torch.ops.mm3.kv_cache_write(key * 1, value, cache, slots, "fp8")
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(write, backend=counter, fullgraph=True, dynamic=True)
+    with platform.emulate("gfx942"):
+        fmt = platform.fp8_format(platform.resolve_kv_cache_dtype("fp8", device, torch.bfloat16))
+        for step, num_tokens in enumerate((9, 3, 40, 17)):
+            key = wide_values((num_tokens, 2, 64), torch.bfloat16, device, step)
+            cache = make_cache(2, 2, 64, "NHD", torch.uint8, device, step)
+            slots = make_slots(num_tokens, 2, device, step)
+            expected = kv_cache_write_ref(key.cpu(), key.cpu(), cache.cpu(), slots.cpu(), fmt)
+            if step == 0:
+                compiled(key, key, cache, slots)
+                frames = counter.frame_count
+                continue
+            with torch.compiler.set_stance("fail_on_recompile"):
+                compiled(key, key, cache, slots)
+            assert_same_bits(cache, expected)
+    assert counter.frame_count == frames
