@@ -1,0 +1,294 @@
+"""Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with layers.py.
+
+Dense fp32 math per request: explicit causal masks, a lightning indexer written as "score every key, max per
+block, sort", explicit top-k block masks, dequantized MXFP8 weights (its own MXFP8 quantizer), contiguous
+per-request K/V histories instead of pages.
+
+It models the network *as deployed in a model dtype*: values are rounded to the model dtype where the
+op model stores a tensor (linear outputs, norm/RoPE outputs, attention output, residual stream, GEMM1 output)
+and K/V are rounded to the KV-cache storage dtype (FP8 with saturation for FP8 caches), while every
+operation in between is fp32.  So the op model and the reference see the same quantization points and differ
+only by accumulation order and the attention kernel's bf16 P (tolerances in tests/test_models.py).
+
+Teacher forcing: ``step(..., forced=hiddens)`` feeds each sub-block (attention, MLP/MoE) the op model's
+input to that sub-block, so a sub-block is compared on identical inputs (a near-tie in routing or block
+selection upstream cannot cascade into an O(1) difference downstream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from mm3_compile import platform
+from mm3_compile.models.config import MiniMaxM3Config
+
+BLOCK = 128
+INIT_SCORE, LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30
+
+
+def mx_quant_dequant(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """MXFP8 round trip (fp32 in, fp32 out): per 32 values ``sb = clamp(ceil(log2(amax / max)) + 127, 0, 254)``,
+    values ``x * 2^(127 - sb)`` saturated and rounded to the platform's MX element dtype."""
+    fmt = platform.fp8_format(platform.mxfp8_value_dtype(device))
+    blocks = x.float().unflatten(-1, (-1, 32))  # [..., K/32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny).double()
+    sb = (torch.ceil(torch.log2(amax / fmt.max)) + 127).clamp(0, 254)
+    values = (blocks.double() * torch.exp2(127 - sb)).clamp(-fmt.max, fmt.max).float().to(fmt.dtype)
+    return (values.double() * torch.exp2(sb - 127)).float().flatten(-2)
+
+
+def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 values to a storage dtype and back (FP8: saturate first, torch casts do not)."""
+    if platform.is_fp8(dtype):
+        fmax = platform.fp8_format(dtype).max
+        return x.clamp(-fmax, fmax).to(dtype).float()
+    return x.to(dtype).float()
+
+
+def gemma_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """Partial NeoX RoPE on x [T, heads, dim] with angles computed in float64."""
+    half = rotary_dim // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / rotary_dim)
+    ang = positions.double()[:, None] * inv_freq[None]  # [T, half]
+    cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
+    a, b = x[..., :half], x[..., half:rotary_dim]
+    out = x.clone()
+    out[..., :half] = a * cos - b * sin
+    out[..., half:rotary_dim] = b * cos + a * sin
+    return out
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, beta: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + beta)
+
+
+def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: MiniMaxM3Config) -> torch.Tensor:
+    """Lightning indexer on token scores [heads, q, S] -> block ids [heads, q, topk] (-1 padded).
+
+    Block score = max over visible keys, forced init/local blocks, NaN -> -1e30, stable descending sort
+    (ties toward the lower block id), the first min(topk, visible blocks) kept.
+    """
+    H, Q, S = scores.shape
+    nblk = -(-S // BLOCK)
+    key_pos = torch.arange(nblk * BLOCK, device=scores.device)
+    padded = torch.full((H, Q, nblk * BLOCK), -math.inf, device=scores.device)
+    padded[..., :S] = scores
+    padded = torch.where(key_pos[None, None] <= positions[None, :, None], padded, -math.inf)
+    block_scores = padded.view(H, Q, nblk, BLOCK).amax(-1)  # [H, Q, nblk]
+    visible = (positions // BLOCK + 1)[:, None]  # [Q, 1]
+    b = torch.arange(nblk, device=scores.device)[None]  # [1, nblk]
+    block_scores = torch.where(torch.isnan(block_scores), NAN_SCORE, block_scores)
+    block_scores = torch.where(b < cfg.sparse_init_blocks, INIT_SCORE, block_scores)
+    block_scores = torch.where(b >= visible - cfg.sparse_local_blocks, LOCAL_SCORE, block_scores)
+    block_scores = torch.where(b < visible, block_scores, -math.inf)
+    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices  # [H, Q, nblk]
+    k = cfg.sparse_topk_blocks
+    if nblk < k:
+        order = torch.cat([order, order.new_full((H, Q, k - nblk), -1)], dim=-1)
+    chosen = order[..., :k]
+    slot = torch.arange(k, device=scores.device)[None, None]
+    return torch.where(slot < torch.clamp(visible, max=k)[None], chosen, -1).to(torch.int32)
+
+
+@dataclasses.dataclass
+class RefStep:
+    logits: torch.Tensor  # [T, V] fp32
+    hiddens: list[torch.Tensor]  # sub-block outputs, fp32 values of model-dtype numbers; hiddens[0] = embedding
+    topk: list[torch.Tensor]  # per sparse layer [Hkv, T, topk] int32
+
+
+class ReferenceModel:
+    """The reference M3 model over a batch of requests with contiguous per-request histories."""
+
+    def __init__(self, config: MiniMaxM3Config, state: dict, model_dtype=torch.bfloat16, kv_cache_dtype="auto", device="cpu"):
+        self.cfg, self.model_dtype = config, model_dtype
+        self.device = torch.device(device)
+        self.kv_dtype = platform.resolve_kv_cache_dtype(kv_cache_dtype, self.device, model_dtype)
+        # fp32 copies of every weight; MXFP8 weights as their dequantized values
+        self.w = {}
+        for name, t in state.items():
+            t = t.to(self.device).float()
+            if ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
+                t = torch.stack([mx_quant_dequant(e, self.device) for e in t]) if t.dim() == 3 else mx_quant_dequant(t, self.device)
+            self.w[name] = t
+        self.reset(0)
+
+    def reset(self, num_requests: int) -> None:
+        # history[layer][request] = dict(k [L, Hkv, D], v [L, Hkv, D], ik [L, Didx]) in cache-rounded fp32
+        empty = lambda: {"k": None, "v": None, "ik": None}  # noqa: E731
+        self.history = [[empty() for _ in range(num_requests)] for _ in range(self.cfg.num_hidden_layers)]
+        self.seq_lens = [0] * num_requests
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.model_dtype).float()
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self._round(x @ self.w[name].T)
+
+    # ---- sub-blocks ------------------------------------------------------------------------------
+
+    def _attention(self, layer: int, h: torch.Tensor, q_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg, p = self.cfg, f"layers.{layer}."
+        sparse = cfg.is_sparse_layer(layer)
+        D, Didx, Hq, Hkv = cfg.head_dim, cfg.index_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        G = Hq // Hkv
+        x = self._round(gemma_norm(h, self.w[p + "input_norm.weight"], cfg.rms_norm_eps))
+        sizes = [Hq * D, Hkv * D, Hkv * D] + ([Hkv * Didx, Didx] if sparse else [])
+        parts = self._linear(x, p + "attn.qkv_proj.weight").split(sizes, dim=-1)
+        T = h.shape[0]
+        positions = torch.cat(
+            [torch.arange(self.seq_lens[r], self.seq_lens[r] + n, device=self.device) for r, n in enumerate(q_lens)]
+        )
+
+        def norm_rope(t, heads, dim, name):
+            t = gemma_norm(t.reshape(T, heads, dim), self.w[p + f"attn.{name}.weight"], cfg.rms_norm_eps)
+            return self._round(rope(t, positions, cfg.rotary_dim, cfg.rope_theta))
+
+        q = norm_rope(parts[0], Hq, D, "q_norm")
+        k = to_storage(norm_rope(parts[1], Hkv, D, "k_norm"), self.kv_dtype)
+        v = to_storage(parts[2].reshape(T, Hkv, D), self.kv_dtype)
+        if sparse:
+            iq = norm_rope(parts[3], Hkv, Didx, "index_q_norm")
+            ik = norm_rope(parts[4], 1, Didx, "index_k_norm")[:, 0]
+        outs, topks, start = [], [], 0
+        for r, n in enumerate(q_lens):
+            rows = slice(start, start + n)
+            start += n
+            hist = self.history[layer][r]
+            for key, new in (("k", k[rows]), ("v", v[rows])) + ((("ik", ik[rows]),) if sparse else ()):
+                hist[key] = new if hist[key] is None else torch.cat([hist[key], new])
+            K, V = hist["k"], hist["v"]  # [S, Hkv, D]
+            S = K.shape[0]
+            pos = positions[rows]  # [n]
+            allowed = torch.arange(S, device=self.device)[None, None] <= pos[None, :, None]  # [1, n, S]
+            allowed = allowed.expand(Hkv, n, S)
+            if sparse:
+                scores = torch.einsum("qhd,sd->hqs", iq[rows], hist["ik"])  # raw dot, no softmax scale
+                chosen = select_blocks(scores, pos, cfg)  # [Hkv, n, topk]
+                topks.append(chosen)
+                key_block = torch.arange(S, device=self.device) // BLOCK
+                in_list = (key_block[None, None, None] == chosen[..., None].long()).any(2)  # [Hkv, n, S]
+                allowed = allowed & in_list
+            qh = q[rows].view(n, Hkv, G, D)
+            logits = torch.einsum("nhgd,shd->hgns", qh, K) * cfg.sm_scale  # [Hkv, G, n, S]
+            logits = logits.masked_fill(~allowed[:, None], -math.inf)
+            o = torch.einsum("hgns,shd->nhgd", torch.softmax(logits, dim=-1), V)
+            outs.append(o.reshape(n, Hq * D))
+        attn = self._round(torch.cat(outs))
+        out = self._linear(attn, p + "attn.o_proj.weight")
+        return self._round(h + out), (torch.cat(topks, dim=1) if sparse else None)
+
+    def _mlp(self, x: torch.Tensor, prefix: str, expert: int | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        w1, w2 = self.w[prefix + "gate_up.weight"], self.w[prefix + "down.weight"]
+        if expert is not None:
+            w1, w2 = w1[expert], w2[expert]
+        gate_up = self._round(x @ w1.T)
+        act = mx_quant_dequant(swiglu_oai(gate_up, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit), self.device)
+        return self._round(act @ w2.T)
+
+    def _ffn(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        cfg, p = self.cfg, f"layers.{layer}."
+        x = self._round(gemma_norm(h, self.w[p + "post_attn_norm.weight"], cfg.rms_norm_eps))
+        if not cfg.is_sparse_layer(layer):
+            return self._round(h + self._mlp(x, p + "mlp."))
+        scores = torch.sigmoid(x @ self.w[p + "moe.gate.weight"].T)  # [T, E]
+        choice = scores + self.w[p + "moe.e_score_correction_bias"]
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, : cfg.num_experts_per_tok]
+        weights = scores.gather(-1, ids)
+        weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor  # [T, k]
+        out = torch.zeros_like(x)
+        for e in range(cfg.num_experts):
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, weights[token, slot, None] * self._mlp(x[token], p + "moe.experts.", e))
+        if cfg.num_shared_experts:
+            out = out + self._mlp(x, p + "moe.shared.")
+        return self._round(h + self._round(out))
+
+    # ---- a whole step ----------------------------------------------------------------------------
+
+    def step(self, input_ids: torch.Tensor, q_lens: Sequence[int], forced: Sequence[torch.Tensor] | None = None) -> RefStep:
+        """Run ``q_lens[r]`` new tokens per request (packed request-major) and append them to the histories.
+
+        ``forced``: the op model's ``hiddens`` of the same step; sub-block i then reads ``forced[i]``
+        instead of the reference's own previous output.
+        """
+        if len(q_lens) != len(self.seq_lens):
+            if any(self.seq_lens):
+                raise ValueError("step: the number of requests changed mid-run")
+            self.reset(len(q_lens))
+        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()  # noqa: E731
+        h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
+        hiddens, topks = [h], []
+        for layer in range(self.cfg.num_hidden_layers):
+            h_mid, chosen = self._attention(layer, inp(2 * layer, hiddens[-1]), q_lens)
+            hiddens.append(h_mid)
+            if chosen is not None:
+                topks.append(chosen)
+            hiddens.append(self._ffn(layer, inp(2 * layer + 1, h_mid)))
+        last = inp(len(hiddens) - 1, hiddens[-1])
+        final = self._round(gemma_norm(last, self.w["final_norm.weight"], self.cfg.rms_norm_eps))
+        logits = self._round(final @ self.w["lm_head.weight"].T)
+        self.seq_lens = [s + n for s, n in zip(self.seq_lens, q_lens)]
+        return RefStep(logits, hiddens, topks)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Errors of an op-model run against the reference, per step."""
+
+    logits_max_err: list[float]  # end to end (reference chained on its own outputs)
+    sub_block_max_err: list[list[float]]  # teacher forced, per step per sub-block, relative to the block's update
+    topk_mismatch: list[int]  # teacher-forced selections that differ (as sets), per step
+
+    @property
+    def worst_logits(self) -> float:
+        return max(self.logits_max_err)
+
+    @property
+    def worst_sub_block(self) -> float:
+        return max(max(s) for s in self.sub_block_max_err)
+
+
+def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
+    """max |op - ref| of each sub-block output over max |update| of that sub-block (update = out - in)."""
+    errs = []
+    for i in range(1, len(op_hiddens)):
+        op, r, inp = op_hiddens[i].float(), ref.hiddens[i].cpu(), forced[i - 1].float()
+        errs.append(((op - r).abs().max() / (r - inp).abs().max().clamp(min=1e-6)).item())
+    return errs
+
+
+def topk_set_mismatches(op_topk, ref_topk) -> int:
+    bad = 0
+    for a, b in zip(op_topk, ref_topk):
+        bad += int((a.long().sort(-1).values != b.cpu().long().sort(-1).values).any(-1).sum())
+    return bad
+
+
+def compare_with_reference(result, config: MiniMaxM3Config, state: dict, model_dtype, kv_cache_dtype: str, device="cpu") -> Comparison:
+    """Replay a :class:`~mm3_compile.models.runtime.WorkloadResult` through two references (teacher forced
+    and free running) and collect the errors."""
+    forced_ref = ReferenceModel(config, state, model_dtype, kv_cache_dtype, device)
+    free_ref = ReferenceModel(config, state, model_dtype, kv_cache_dtype, device)
+    logits_err, block_err, mismatch = [], [], []
+    for step in result.steps:
+        ids = step.input_ids
+        tf = forced_ref.step(ids, step.q_lens, forced=step.hiddens)
+        free = free_ref.step(ids, step.q_lens)
+        logits_err.append((step.logits - free.logits.cpu()).abs().max().item())
+        block_err.append(sub_block_errors(step.hiddens, tf, step.hiddens))
+        mismatch.append(topk_set_mismatches(step.topk, tf.topk))
+    return Comparison(logits_err, block_err, mismatch)

@@ -1,0 +1,241 @@
+"""A small paged-KV runtime: cache allocation, block allocation, per-step metadata, the demo workload.
+
+Host-side bookkeeping (which pages a request owns) is plain Python, like a serving scheduler; everything the
+model sees is a device tensor (:class:`AttentionMetadata`), so the compiled graphs do not depend on batch
+size, prompt lengths or positions.  Pages are handed out in a seeded shuffled order so block tables really
+indirect (logical block i of a request is rarely page i).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from mm3_compile import platform
+from mm3_compile.models.layers import PAGE_SIZE, AttentionMetadata, MiniMaxM3ForCausalLM, write_index_cache
+
+
+class PagedKVRuntime:
+    """Paged caches for every attention layer of ``model`` and the block tables of a batch of requests.
+
+    * main cache per layer: ``[num_blocks, Hkv_local, 128, 2*D]`` in the dtype the authority resolves for
+      ``kv_cache_dtype`` on the model's device; FP8 caches are allocated as uint8 bytes (the ops view them).
+    * index-K cache per sparse layer: ``[num_blocks + 1, 128, Didx]`` bf16 (last page: scratch for padding).
+    Both caches of a layer use the same pages (one block table, one slot mapping).
+    """
+
+    def __init__(
+        self,
+        model: MiniMaxM3ForCausalLM,
+        num_blocks: int,
+        max_blocks_per_request: int,
+        kv_cache_dtype: str = "auto",
+        seed: int = 0,
+    ):
+        cfg = model.config
+        self.model_dtype, self.device = model.dtype, model.device
+        self.kv_cache_dtype = kv_cache_dtype
+        self.storage_dtype = platform.resolve_kv_cache_dtype(kv_cache_dtype, self.device, model.dtype)
+        alloc_dtype = torch.uint8 if platform.is_fp8(self.storage_dtype) else self.storage_dtype
+        self.num_blocks, self.max_blocks_per_request = num_blocks, max_blocks_per_request
+        self.caches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for layer in model.layers:
+            hkv = layer.attn.heads.num_kv_heads
+            kv = torch.zeros(num_blocks, hkv, PAGE_SIZE, 2 * cfg.head_dim, dtype=alloc_dtype, device=self.device)
+            index = None
+            if layer.sparse:
+                index = torch.zeros(num_blocks + 1, PAGE_SIZE, cfg.index_head_dim, dtype=model.dtype, device=self.device)
+            self.caches.append((kv, index))
+        self._rng = random.Random(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request and zero the caches."""
+        pages = list(range(self.num_blocks))
+        self._rng.shuffle(pages)
+        self.free_pages = pages
+        self.block_tables: list[list[int]] = []
+        self.seq_lens: list[int] = []
+        for kv, index in self.caches:
+            kv.zero_()
+            if index is not None:
+                index.zero_()
+
+    def _grow(self, r: int, new_len: int) -> None:
+        needed = -(-new_len // PAGE_SIZE)
+        if needed > self.max_blocks_per_request:
+            raise ValueError(
+                f"request {r} needs {needed} blocks for {new_len} tokens, more than max_blocks_per_request="
+                f"{self.max_blocks_per_request}"
+            )
+        while len(self.block_tables[r]) < needed:
+            if not self.free_pages:
+                raise RuntimeError(f"out of KV pages (num_blocks={self.num_blocks})")
+            self.block_tables[r].append(self.free_pages.pop())
+
+    def _metadata(self, q_lens: Sequence[int]) -> AttentionMetadata:
+        positions, slots = [], []
+        for r, q_len in enumerate(q_lens):
+            for p in range(self.seq_lens[r] - q_len, self.seq_lens[r]):
+                positions.append(p)
+                slots.append(self.block_tables[r][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+        table = torch.zeros(len(q_lens), self.max_blocks_per_request, dtype=torch.int32)
+        for r, pages in enumerate(self.block_tables):
+            table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        cu = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_table=table.to(self.device),
+            cu_seqlens_q=cu.to(self.device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device),
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        # token and request counts vary between steps: keep them symbolic in compiled graphs
+        for t in (meta.positions, meta.slot_mapping, meta.block_table, meta.cu_seqlens_q, meta.seq_lens):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return meta
+
+    def start_requests(self, num_requests: int) -> None:
+        """Open ``num_requests`` empty requests (pages are allocated as they grow)."""
+        if self.block_tables:
+            raise RuntimeError("requests already running; call reset() first")
+        self.block_tables = [[] for _ in range(num_requests)]
+        self.seq_lens = [0] * num_requests
+
+    def extend(self, q_lens: Sequence[int]) -> AttentionMetadata:
+        """Append ``q_lens[r]`` tokens to request r (prefill chunk or decode); metadata for that step."""
+        for r, q_len in enumerate(q_lens):
+            self.seq_lens[r] += q_len
+            self._grow(r, self.seq_lens[r])
+        return self._metadata(q_lens)
+
+    def add_prompts(self, prompt_lens: Sequence[int]) -> AttentionMetadata:
+        """Start one request per prompt; metadata for their prefill."""
+        self.start_requests(len(prompt_lens))
+        return self.extend(prompt_lens)
+
+    def decode_step(self, tokens_per_request: int = 1) -> AttentionMetadata:
+        """Extend every request by the same number of tokens (uniform decode); metadata for that step."""
+        return self.extend([tokens_per_request] * len(self.seq_lens))
+
+    @torch.no_grad()
+    def load_prefix(self, model: MiniMaxM3ForCausalLM, history: Sequence[Sequence[dict]]) -> None:
+        """Start requests whose first tokens are already cached, from full-head K/V histories.
+
+        ``history[layer][r]`` holds ``k``/``v`` ``[L_r, Hkv, D]`` and (sparse layers) ``ik`` ``[L_r, Didx]``
+        (e.g. :attr:`ReferenceModel.history`); this rank's KV heads are written through ``mm3::kv_cache_write``.
+        Lets tests start a step with several blocks of context without paying for a long prefill.
+        """
+        lens = [0 if h["k"] is None else h["k"].shape[0] for h in history[0]]
+        self.start_requests(len(lens))
+        meta = self.extend(lens)
+        for layer, (kv, index), per_request in zip(model.layers, self.caches, history):
+            heads = layer.attn.heads
+            k = torch.cat([h["k"] for h in per_request if h["k"] is not None])  # [sum L, Hkv, D]
+            v = torch.cat([h["v"] for h in per_request if h["v"] is not None])
+            k, v = (t.narrow(1, heads.kv_start, heads.num_kv_heads).to(self.device, self.model_dtype) for t in (k, v))
+            torch.ops.mm3.kv_cache_write(k.contiguous(), v.contiguous(), kv, meta.slot_mapping, self.kv_cache_dtype)
+            if index is not None:
+                ik = torch.cat([h["ik"] for h in per_request if h["ik"] is not None])
+                write_index_cache(index, ik.to(self.device, self.model_dtype), meta.slot_mapping)
+
+
+@dataclasses.dataclass
+class StepResult:
+    kind: str  # "prefill" | "decode"
+    q_lens: list[int]
+    input_ids: torch.Tensor  # [T] int64 (CPU)
+    logits: torch.Tensor  # [T, V] fp32 (CPU)
+    hiddens: tuple[torch.Tensor, ...]  # residual stream at each sub-block boundary, [T, H] (CPU, model dtype)
+    topk: tuple[torch.Tensor, ...]  # per sparse layer [Hkv, T, topk] int32 (CPU)
+    seconds: float
+
+
+@dataclasses.dataclass
+class WorkloadResult:
+    steps: list[StepResult]
+    prompt_lens: list[int]
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        return [s.logits for s in self.steps]
+
+
+def workload_tokens(vocab_size: int, prompt_lens: Sequence[int], steps: int, seed: int):
+    """Seeded prompts and the tokens fed at each decode step (teacher forcing: eager, compiled and
+    reference runs see identical inputs however their logits differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab_size, (n,), generator=gen) for n in prompt_lens]
+    decode = torch.randint(vocab_size, (steps, len(prompt_lens)), generator=gen)
+    return prompts, decode
+
+
+def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwargs):
+    """(prefill, decode) callables compiled with ``fullgraph=True``: one graph each, no recompiles."""
+    return (
+        torch.compile(model.prefill, fullgraph=True, backend=backend, **kwargs),
+        torch.compile(model.decode, fullgraph=True, backend=backend, **kwargs),
+    )
+
+
+def run_demo_workload(
+    model: MiniMaxM3ForCausalLM,
+    runtime: PagedKVRuntime,
+    batch: int,
+    prompt_lens: int | Sequence[int],
+    steps: int,
+    compiled: bool | tuple[Callable, Callable] = False,
+    *,
+    seed: int = 0,
+    backend: str = "inductor",
+    on_step: Callable[[StepResult], None] | None = None,
+) -> WorkloadResult:
+    """Prefill ``batch`` prompts then ``steps`` uniform decode steps (1 token per request).
+
+    ``prompt_lens``: one length for all or one per request.  ``compiled``: False (eager), True (compile here
+    with ``backend``) or a ``(prefill, decode)`` pair from :func:`compile_model` (to reuse compiled code).
+    The runtime is reset first.  ``on_step`` sees each :class:`StepResult` (progress bars).
+    """
+    lens = [prompt_lens] * batch if isinstance(prompt_lens, int) else list(prompt_lens)
+    if len(lens) != batch:
+        raise ValueError(f"prompt_lens: expected {batch} lengths, got {len(lens)}")
+    if compiled is True:
+        prefill_fn, decode_fn = compile_model(model, backend)
+    elif compiled:
+        prefill_fn, decode_fn = compiled
+    else:
+        prefill_fn, decode_fn = model.prefill, model.decode
+    prompts, decode_tokens = workload_tokens(model.config.vocab_size, lens, steps, seed)
+    runtime.reset()
+    results = []
+    with torch.no_grad():
+        for step in range(steps + 1):
+            if step == 0:
+                kind, ids, meta, fn = "prefill", torch.cat(prompts), runtime.add_prompts(lens), prefill_fn
+            else:
+                kind, ids, meta, fn = "decode", decode_tokens[step - 1], runtime.decode_step(), decode_fn
+            ids_dev = ids.to(runtime.device)
+            torch._dynamo.maybe_mark_dynamic(ids_dev, 0)
+            _sync(runtime.device)
+            start = time.perf_counter()
+            logits, hiddens, topk = fn(ids_dev, meta, runtime.caches)
+            _sync(runtime.device)
+            seconds = time.perf_counter() - start
+            q_lens = lens if step == 0 else [1] * batch
+            result = StepResult(
+                kind, q_lens, ids, logits.cpu(), tuple(h.cpu() for h in hiddens), tuple(t.cpu() for t in topk), seconds
+            )
+            results.append(result)
+            if on_step is not None:
+                on_step(result)
+    return WorkloadResult(results, lens)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
