@@ -135,7 +135,7 @@ def build(
                 others = torch.randperm(own, generator=gen)[: n - 1].to(torch.int32)
                 topk[t, h, :n] = torch.cat([torch.tensor([own], dtype=torch.int32), others])
                 if corrupt and n > 1:
-                    junk = torch.tensor([-1, own + 1, -5, 10**6, own + 40], dtype=torch.int32)
+                    junk = torch.tensor([-1, own + 1, -5, 10**6, own + 40, own], dtype=torch.int32)  # own: a repeat
                     slot = int(torch.randint(1, n, (1,), generator=gen))
                     topk[t, h, slot] = junk[int(torch.randint(0, len(junk), (1,), generator=gen))]
     if corrupt:
@@ -212,7 +212,7 @@ def test_prefill_fp8(target, spec, layout, scale, device):
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
 def test_invalid_topk_entries_are_ignored(op, device):
-    """-1, beyond p // 128, beyond a truncated block table, huge ids; a row with no valid slot -> 0."""
+    """-1, beyond p // 128, beyond a truncated block table, huge ids, repeats; a row with no valid slot -> 0."""
     reqs = [(300, 7), (260, 7)] if op == "prefill" else [(300, 1), (260, 1), (390, 1)]
     case = build(device, reqs, D=64, Hkv=2, G=2, corrupt=True, seed=3)
     if op == "prefill":

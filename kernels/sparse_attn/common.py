@@ -1,16 +1,23 @@
 """The block-sparse GQA attention kernel shared by prefill and decode.
 
-One program owns one query token and one KV head and holds all ``G = Hq / Hkv`` query heads of
-that KV head as the rows of a ``[BLOCK_H, D]`` tile (``BLOCK_H = max(16, next_pow2(G))`` so
-``tl.dot`` gets M >= 16; padded rows load q = 0 and are never written).  It walks a range of the
-token's top-k slots; each slot names a logical 128-token block, mapped to a physical page through
-the request's block table, and costs one ``[BLOCK_H, D] x [D, 128]`` and one
-``[BLOCK_H, 128] x [128, D]`` dot.  Prefill walks all slots and writes the output; decode splits
-the slot list over several programs and writes normalised partials + log2-sum-exp for a merge.
+One program owns ``BLOCK_Q`` consecutive query tokens and one KV head; its rows are the (token,
+query head) pairs of that KV head, ``BLOCK_M = BLOCK_Q x BLOCK_H`` rows of a ``[BLOCK_M, D]`` q
+tile (``BLOCK_H = pow2(G)``, padded so BLOCK_M >= 16 for ``tl.dot``; padded rows load q = 0 and
+are never written).  Prefill uses BLOCK_Q = 128 / pow2(G) (capped at 16) so neighbouring tokens,
+whose top-k lists overlap (own and local blocks, similar scores), share every K/V tile load and
+the dots get M = 128; decode uses BLOCK_Q = 1 and splits the work over several programs.
 
-Validity is position-derived (slots ``[0, min(T, p // 128 + 1))``), but a slot whose id is
-negative, beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is
-skipped through load masks: nothing out of bounds is ever dereferenced, whatever the caller passes.
+Each token's valid list entries become (request, logical block) keys; the program walks the
+distinct keys of the whole tile in ascending order (a min-reduction finds the next one, so each
+block is loaded exactly once per tile and a block listed twice counts once) and, per key, maps
+the block to its page through that request's block table and does one ``[BLOCK_M, D] x [D, 128]``
+and one ``[BLOCK_M, 128] x [128, D]`` dot; rows whose list does not name the block are masked.
+A tile may span requests (keys carry the request).  Validity is position-derived (slots
+``[0, min(T, p // 128 + 1))``), and an id that is negative, beyond ``p // 128`` or beyond the block
+table, or whose page is outside the cache, is skipped through load masks: nothing out of bounds is
+ever dereferenced, whatever the caller passes.  Decode's split c walks distinct keys
+``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (the last split: the rest) and writes a
+normalised partial + log2-sum-exp for ``merge_splits_kernel``.
 
 Numerics (base 2, log2(e) folded into the scale): running max ``m``, running sum ``l`` and the
 accumulator in fp32; K/V are dequantised to the model dtype (FP8 bytes -> fp32 -> x scale ->
@@ -65,13 +72,13 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _find_request(cu_seqlens_ptr, num_reqs, token):
-    """Largest r with cu_seqlens[r] <= token (requests with no query tokens are skipped over)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: cu[lo] <= token < cu[hi]
-    while hi - lo > 1:
+def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
+    """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
+    lo = tl.zeros(tokens.shape, tl.int32)
+    hi = lo + num_reqs  # invariant: cu[lo] <= token < cu[hi]
+    while tl.max(hi - lo) > 1:
         mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) <= token
+        right = tl.load(cu_seqlens_ptr + mid) <= tokens
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return lo
@@ -96,7 +103,7 @@ def sparse_attn_fwd_kernel(
     max_blocks,
     T,
     num_splits,
-    slots_per_split,
+    blocks_per_split,  # distinct blocks per split; the last split takes the rest
     qk_scale,  # sm_scale * log2(e)
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -106,7 +113,9 @@ def sparse_attn_fwd_kernel(
     stride_vsh, stride_vss,
     G: tl.constexpr,  # query heads per KV head
     D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # pow2 >= G
+    BLOCK_Q: tl.constexpr,  # consecutive query tokens per program
+    BLOCK_T: tl.constexpr,  # pow2 >= T
     VARLEN: tl.constexpr,  # token -> request by binary search over cu_seqlens (prefill)
     SPLIT: tl.constexpr,  # write a partial + lse per split (decode)
     IS_FP8: tl.constexpr,
@@ -118,15 +127,28 @@ def sparse_attn_fwd_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
 ):  # fmt: skip
+    """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group.
+
+    The tile walks the union of its tokens' valid (request, block) pairs in ascending order, each
+    exactly once; a row takes part in a block only if its own list names it (row mask).
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    NO_KEY = tl.full([], 0x3FFFFFFFFFFFFFFF, tl.int64)  # sorts after every real (request, block) key
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # A token's splits are adjacent programs: they finish together for the merge.
-    token = pid // num_splits
+    # A tile's splits are adjacent programs: they finish together for the merge.
+    tile = pid // num_splits
     split = pid % num_splits
     MODEL_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
 
+    rows = tl.arange(0, BLOCK_M)
+    token = tile * BLOCK_Q + rows // BLOCK_H  # [BLOCK_M]
+    head_in_group = rows % BLOCK_H
+    token_ok = token < total_q
+    row_mask = token_ok & (head_in_group < G)
+    token = tl.where(token_ok, token, 0)
     if VARLEN:
-        req = _find_request(cu_seqlens_ptr, num_reqs, token)
+        req = _find_requests(cu_seqlens_ptr, num_reqs, token)
         q_start = tl.load(cu_seqlens_ptr + req)
         q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
         offset = token - q_start
@@ -134,20 +156,33 @@ def sparse_attn_fwd_kernel(
         req = token // q_per_req
         q_len = q_per_req
         offset = token - req * q_per_req
-    seq_len = tl.load(seq_lens_ptr + req)
-    pos = seq_len - q_len + offset  # absolute position of this query token
-    last_block = pos // PAGE
-    n_slots = tl.where(pos >= 0, tl.minimum(T, last_block + 1), 0)
-    slot_begin = split * slots_per_split
-    slot_end = tl.minimum(slot_begin + slots_per_split, n_slots)
+    pos = tl.load(seq_lens_ptr + req) - q_len + offset  # [BLOCK_M] absolute query positions
+    pos = tl.where(token_ok, pos, -1)
+    last_block = tl.where(pos >= 0, pos // PAGE, -1)
+    n_slots = tl.minimum(T, last_block + 1)  # position-derived count of list entries to read
 
-    rows = tl.arange(0, BLOCK_H)  # query heads of this KV head (padded)
+    # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
+    # Slots past n_slots, ids < 0 or > p // 128 or past the block table, pages outside the
+    # cache: masked, never dereferenced.
+    slots = tl.arange(0, BLOCK_T)
+    ids = tl.load(
+        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token[:, None].to(tl.int64) * stride_tkt
+        + slots[None, :] * stride_tks,
+        mask=slots[None, :] < n_slots[:, None], other=-1,
+    )  # [BLOCK_M, BLOCK_T]  # fmt: skip
+    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
+    pages = tl.load(
+        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
+        mask=valid, other=-1,
+    )  # fmt: skip
+    valid = valid & (pages >= 0) & (pages < num_blocks)
+    keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]
+
     dims = tl.arange(0, D)
-    keys = tl.arange(0, PAGE)
-    row_mask = rows < G
-    heads = kv_head * G + rows
-    q_ptrs = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    offs = tl.arange(0, PAGE)
+    heads = kv_head * G + head_in_group
+    q_ptrs = q_ptr + token[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -157,65 +192,64 @@ def sparse_attn_fwd_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    topk_row = topk_ptr + kv_head.to(tl.int64) * stride_tkh + token.to(tl.int64) * stride_tkt
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_btr
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    for slot in range(slot_begin, slot_end):
-        block = tl.load(topk_row + slot * stride_tks)
-        valid = (block >= 0) & (block <= last_block) & (block < max_blocks)
-        page = tl.load(bt_row + tl.where(valid, block, 0).to(tl.int64) * stride_btb, mask=valid, other=0)
-        valid = valid & (page >= 0) & (page < num_blocks)
-        page = tl.where(valid, page, 0).to(tl.int64)
-        # [128] logical positions, -1 for a skipped slot (a scalar-bool & vector mask trips the interpreter)
-        key_pos = tl.where(valid, block * PAGE + keys, -1)
-        key_mask = (key_pos >= 0) & (key_pos <= pos) & (key_pos < seq_len)
-        base = head_base + page * stride_kb + keys.to(tl.int64) * stride_kt  # [128] row pointers
+    first = split * blocks_per_split
+    stop = tl.where(split == num_splits - 1, 0x7FFFFFFF, first + blocks_per_split)
+    key = tl.min(keys)
+    index = 0
+    while (key != NO_KEY) & (index < stop):
+        if index >= first:
+            block_req = key // max_blocks
+            block = (key - block_req * max_blocks).to(tl.int32)
+            member = tl.max((keys == key).to(tl.int32), axis=1) > 0  # [BLOCK_M] rows whose list names it
+            page = tl.load(block_table_ptr + block_req * stride_btr + block * stride_btb).to(tl.int64)
+            key_pos = block * PAGE + offs  # [128] logical positions
+            key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
+            visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
+            base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
 
-        ks = k_scale
-        vs = v_scale
-        if SCALE_MODE == 2:
-            slots = page * PAGE + keys  # physical slot: the scale follows the page, not the position
-            ks = tl.load(k_scale_ptr + kv_head * stride_ksh + slots * stride_kss, mask=key_mask, other=0.0)[None, :]
-            vs = tl.load(v_scale_ptr + kv_head * stride_vsh + slots * stride_vss, mask=key_mask, other=0.0)[:, None]
-        k = _load_kv_tile(
-            base[None, :] + dims[:, None], key_mask[None, :], ks,
-            MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-        )  # [D, 128]  # fmt: skip
-        s = tl.dot(q, k) * qk_scale  # [BLOCK_H, 128] log2-domain logits
-        s = tl.where(key_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            base[:, None] + D + dims[None, :], key_mask[:, None], vs,
-            MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-        )  # [128, D]  # fmt: skip
-        p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
-        if DOT_FP32:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m = m_new
+            ks = k_scale
+            vs = v_scale
+            if SCALE_MODE == 2:
+                phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
+                ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
+                vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
+            k = _load_kv_tile(
+                base[None, :] + dims[:, None], key_ok[None, :], ks,
+                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # [D, 128]  # fmt: skip
+            s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v = _load_kv_tile(
+                base[:, None] + D + dims[None, :], key_ok[:, None], vs,
+                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # [128, D]  # fmt: skip
+            p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
+            if DOT_FP32:
+                p = p.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = m_new
+        index += 1
+        key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
     has_keys = l > 0.0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    Hq = G * tl.num_programs(1)
+    row_offset = token.to(tl.int64) * Hq + heads  # [BLOCK_M] (token, head) row of [total_q, Hq]
     if SPLIT:
-        o_ptrs = (
-            out_ptr + (split.to(tl.int64) * total_q + token) * (G * D * tl.num_programs(1))
-            + heads[:, None] * D + dims[None, :]
-        )  # fmt: skip
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        row_offset += split.to(tl.int64) * total_q * Hq
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-        lse_ptrs = lse_ptr + (split.to(tl.int64) * total_q + token) * (G * tl.num_programs(1)) + heads
-        tl.store(lse_ptrs, lse, mask=row_mask)
-    else:
-        o_ptrs = out_ptr + token.to(tl.int64) * (G * D * tl.num_programs(1)) + heads[:, None] * D + dims[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(lse_ptr + row_offset, lse, mask=row_mask)
+    tl.store(out_ptr + row_offset[:, None] * D + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -279,7 +313,8 @@ def launch_sparse_attn(
     lse: torch.Tensor | None,  # [num_splits, total_q, Hq] fp32 when splitting
     q_per_req,
     num_splits,
-    slots_per_split,
+    blocks_per_split,
+    block_q: int,  # consecutive query tokens per program
 ) -> None:
     total_q, Hq, D = q.shape
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
@@ -300,17 +335,18 @@ def launch_sparse_attn(
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     launch(
-        sparse_attn_fwd_kernel, (total_q * num_splits, Hkv),
+        sparse_attn_fwd_kernel, (triton.cdiv(total_q, block_q) * num_splits, Hkv),
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         k_scale, v_scale, out, lse if lse is not None else out,
-        total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, slots_per_split,
+        total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, blocks_per_split,
         float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
         block_table.stride(0), block_table.stride(1),
         *k_strides, *v_strides,
-        G=G, D=D, BLOCK_H=max(16, triton.next_power_of_2(G)),
+        G=G, D=D, BLOCK_H=max(triton.next_power_of_2(G), 16 // block_q), BLOCK_Q=block_q,
+        BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=lse is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
         SCALE_MODE=scale_mode, **fp8_constants, **kernel_options(q.device),

@@ -36,11 +36,11 @@ def _target_programs(device: torch.device) -> int:
 
 
 def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
-    """(num_splits, slots_per_split) from shapes: split the T slots until the grid fills the GPU."""
+    """(num_splits, blocks_per_split) from shapes: split the T blocks until the grid fills the GPU."""
     work = torch.sym_max(1, total_q * num_kv_heads)
     wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device) // work))
-    slots_per_split = (topk + wanted - 1) // wanted
-    return (topk + slots_per_split - 1) // slots_per_split, slots_per_split
+    blocks_per_split = (topk + wanted - 1) // wanted
+    return (topk + blocks_per_split - 1) // blocks_per_split, blocks_per_split
 
 
 def sparse_attn_decode(
@@ -61,14 +61,14 @@ def sparse_attn_decode(
     T = topk_idx.shape[2]
     q_per_req = total_q // seq_lens.shape[0]
     if num_splits is None:
-        num_splits, slots_per_split = split_plan(total_q, Hkv, T, q.device)
+        num_splits, blocks_per_split = split_plan(total_q, Hkv, T, q.device)
     else:
-        slots_per_split = triton.cdiv(T, num_splits)
+        blocks_per_split = triton.cdiv(T, num_splits)
     o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, slots_per_split=slots_per_split,
+        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split, block_q=1,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
     BLOCK_H = 16

@@ -3,7 +3,8 @@
 For every (query token, KV head) it gathers the pages of the selected blocks, dequantises them in
 float64 (``.view(storage dtype).double() * scale``), masks explicitly and applies a natural-base
 softmax.  Slots past ``min(T, p // 128 + 1)``, ids that are negative, beyond ``p // 128`` or beyond
-the block table, and pages outside the cache are ignored; duplicate ids count twice.  A row that
+the block table, and pages outside the cache are ignored; the selected blocks are a set (an id
+listed twice counts once).  A row that
 sees no key is 0.  The storage dtype is an argument so tests can also decode bytes the wrong way
 (upstream #45562) as a negative control.
 """
@@ -58,7 +59,8 @@ def sparse_attn_ref(
                 continue
             n = min(T, p // PAGE + 1)
             for h in range(Hkv):
-                blocks = [b for b in ids[h, t, :n].tolist() if 0 <= b <= p // PAGE and b < max_blocks]
+                listed = dict.fromkeys(ids[h, t, :n].tolist())  # a set of blocks: a repeated id counts once
+                blocks = [b for b in listed if 0 <= b <= p // PAGE and b < max_blocks]
                 pages = [table[r, b].item() for b in blocks]
                 kept = [(b, pg) for b, pg in zip(blocks, pages) if 0 <= pg < num_blocks]
                 if not kept:

@@ -1,14 +1,25 @@
-"""Launcher of block-sparse prefill attention: one program per (query token, KV head), no split.
+"""Launcher of block-sparse prefill attention: one program per (tile of consecutive tokens, KV head).
 
-Tokens of all requests are packed (``cu_seqlens_q``); each program finds its request by a binary
+Tokens of all requests are packed (``cu_seqlens_q``); each row finds its request by a binary
 search over ``cu_seqlens_q`` inside the kernel, so no per-request host metadata (max query
-length, batch size) becomes a Python constant.
+length, batch size) becomes a Python constant, and a tile may straddle requests.
 """
 
 import torch
+import triton
 
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile.platform import FP8Format
+
+# Rows (token x query head) per program: 128 fills a tensor-core tile while the tokens' top-k
+# lists still overlap (neighbouring queries share their own and local blocks).
+PREFILL_ROWS = 128
+MAX_BLOCK_Q = 16
+
+
+def prefill_block_q(G: int) -> int:
+    """Consecutive query tokens per program: G=16 -> 8, G<=8 -> 16 (rows = tokens x pow2(G))."""
+    return max(1, min(MAX_BLOCK_Q, PREFILL_ROWS // triton.next_power_of_2(int(G))))
 
 
 def sparse_attn_prefill(
@@ -26,8 +37,9 @@ def sparse_attn_prefill(
 ) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D], every row written
     T = topk_idx.shape[2]
+    Hq, Hkv = q.shape[1], kv_cache.shape[1]
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        out, None, q_per_req=1, num_splits=1, slots_per_split=T,
+        out, None, q_per_req=1, num_splits=1, blocks_per_split=T, block_q=prefill_block_q(Hq // Hkv),
     )  # fmt: skip
     return out
