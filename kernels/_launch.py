@@ -1,11 +1,14 @@
 """How every launcher starts a kernel: through ``wrap_triton`` so AOTAutograd can trace it."""
 
 import contextlib
+import threading
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 from mm3_compile import platform
+
+_tracing = threading.local()
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -14,8 +17,23 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 
 @contextlib.contextmanager
+def traced_launches():
+    """An op body is being traced into a graph (Inductor lowering): launches become graph nodes."""
+    previous = getattr(_tracing, "active", False)
+    _tracing.active = True
+    try:
+        with set_wrap_triton_enabled(True):
+            yield
+    finally:
+        _tracing.active = previous
+
+
+@contextlib.contextmanager
 def eager_launches():
     """Real tensors go straight to the kernel: no higher-order-op dispatch on the eager path."""
+    if getattr(_tracing, "active", False):
+        yield
+        return
     with set_wrap_triton_enabled(False):
         yield
 

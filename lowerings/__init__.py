@@ -1,0 +1,51 @@
+"""Everything that touches Inductor/AOTAutograd internals, gated on the torch versions it was checked on.
+
+``install()`` (run by ``import mm3_compile``) registers, for every ``mm3`` op, the functional
+decomposition that puts its Triton kernels into Inductor's generated code on GPUs.
+``compile_options()`` adds the post-grad SwiGLU+MXFP8 fusion pass.
+"""
+
+import logging
+
+import torch
+
+log = logging.getLogger("mm3_compile")
+
+# torch 2.11 (GPU machine) and 2.13 (CI) are exercised; 2.12-2.15 share the same internals
+# (CustomOpDef.register_torch_dispatch, export's custom_triton_ops_decomposition_disabled,
+# CustomGraphPass, pattern_matcher.register_replacement).
+SUPPORTED_TORCH = ((2, 11), (2, 15))
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def supported() -> bool:
+    return SUPPORTED_TORCH[0] <= torch_version() <= SUPPORTED_TORCH[1]
+
+
+def install() -> None:
+    if not supported():
+        log.warning(
+            "torch %s is outside the range %s-%s mm3_compile's lowerings were checked on: mm3 ops stay opaque "
+            "custom ops in compiled graphs", torch.__version__, *SUPPORTED_TORCH
+        )
+        return
+    from mm3_compile import ops
+    from mm3_compile.lowerings.decompose import register_functional_decomposition
+    from mm3_compile.lowerings.fusion import fusion_installed
+
+    register_functional_decomposition(ops.quant.mxfp8_quantize, defer=fusion_installed)
+    register_functional_decomposition(ops.quant.swiglu_oai_mxfp8_quant)
+    for opdef in (ops.kv_cache.kv_cache_write, ops.indexer.index_topk, ops.sparse_attn.sparse_attn_prefill,
+                  ops.sparse_attn.sparse_attn_decode):
+        register_functional_decomposition(opdef)
+
+
+def compile_options() -> dict:
+    """Options for ``torch.compile``: the SwiGLU+MXFP8 fusion pass and a platform-keyed FX graph cache."""
+    from mm3_compile.lowerings.fusion import compile_options as options
+
+    return options()
