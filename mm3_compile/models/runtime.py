@@ -176,11 +176,18 @@ def workload_tokens(vocab_size: int, prompt_lens: Sequence[int], steps: int, see
 
 
 def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwargs):
-    """(prefill, decode) callables compiled with ``fullgraph=True``: one graph each, no recompiles."""
-    return (
-        torch.compile(model.prefill, fullgraph=True, backend=backend, **kwargs),
-        torch.compile(model.decode, fullgraph=True, backend=backend, **kwargs),
-    )
+    """(prefill, decode) callables compiled with ``fullgraph=True``: one graph each, no recompiles when token
+    or request counts change (the token dim of ``input_ids`` is marked dynamic like the metadata's)."""
+
+    def dynamic_tokens(compiled):
+        def call(input_ids, meta, caches):
+            torch._dynamo.maybe_mark_dynamic(input_ids, 0)
+            return compiled(input_ids, meta, caches)
+
+        return call
+
+    options = dict(fullgraph=True, backend=backend, **kwargs)
+    return dynamic_tokens(torch.compile(model.prefill, **options)), dynamic_tokens(torch.compile(model.decode, **options))
 
 
 def run_demo_workload(
@@ -220,7 +227,6 @@ def run_demo_workload(
             else:
                 kind, ids, meta, fn = "decode", decode_tokens[step - 1], runtime.decode_step(), decode_fn
             ids_dev = ids.to(runtime.device)
-            torch._dynamo.maybe_mark_dynamic(ids_dev, 0)
             _sync(runtime.device)
             start = time.perf_counter()
             logits, hiddens, topk = fn(ids_dev, meta, runtime.caches)
