@@ -1,0 +1,128 @@
+"""bench/ harness: the CPU (interpreter) run end to end, the README section, the targets check, and
+the synthetic top-k lists and FLOP counts the GPU figures rest on."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench import inputs as bench_inputs  # noqa: E402
+from bench import report  # noqa: E402
+
+EXPECTED_COLUMNS = {
+    "family", "shape", "provider", "dtype", "kv_dtype", "ms", "tflops", "gbps", "pct_of_ceiling", "ceiling_kind",
+    "graph_replay", "correct", "torch", "triton", "gpu",
+}  # fmt: skip
+EXPECTED_PROVIDERS = {
+    "quant": {"op", "op_compiled", "ref", "ref_compiled(inductor)"},
+    "decode": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
+    "prefill": {"op", "op_compiled", "torch_ref", "torch_ref_compiled", "flex_create_block_mask", "flex_attention",
+                "sdpa_dense_causal"},  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    readme = out / "README.md"
+    readme.write_text("# project\n\nintro text\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "run.py"), "--cpu", "--out", str(out), "--readme", str(readme)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return out, readme, rows, proc.stdout
+
+
+def test_cpu_run_writes_every_family_and_provider(cpu_run):
+    out, _, rows, stdout = cpu_run
+    assert EXPECTED_COLUMNS <= set(rows[0].keys())
+    for family, providers in EXPECTED_PROVIDERS.items():
+        fam = [r for r in rows if r["family"] == family]
+        assert {r["provider"] for r in fam} == providers, family
+        for r in fam:
+            assert r["error"] == "", (family, r["provider"], r["error"])
+            assert r["correct"] == "True", (family, r["shape"], r["provider"], r["max_err"], r["note"])
+            assert float(r["ms"]) > 0
+            assert r["graph_replay"] == "False"  # no CUDA graphs on the CPU
+    kv = {r["kv_dtype"] for r in rows if r["family"] in ("decode", "prefill")}
+    assert kv == {"bf16", "fp8"}
+    ceilings = {r["provider"]: r for r in rows if r["family"] == "ceiling"}
+    assert set(ceilings) == {"copy", "matmul"} and float(ceilings["copy"]["gbps"]) > 0
+    for r in rows:  # every rate is relative to this run's own ceilings
+        if r["family"] == "decode":
+            assert float(r["pct_of_ceiling"]) == pytest.approx(100 * float(r["gbps"]) / float(ceilings["copy"]["gbps"]), rel=1e-3)
+    assert (out / "table.md").read_text().count("\n| ") == len([r for r in rows if r["family"] != "ceiling"]) + 1
+    targets = (out / "targets.md").read_text()
+    assert "TARGETS" in stdout and stdout.rstrip().endswith(targets.rstrip().splitlines()[-1])
+
+
+def test_readme_section_is_replaced_in_place(cpu_run):
+    out, readme, rows, _ = cpu_run
+    text = readme.read_text()
+    assert text.startswith("# project\n\nintro text\n")
+    assert text.count(report.README_START) == 1 and text.count(report.README_END) == 1
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "run.py"), "--readme-table", str(out / "results.csv"), "--readme", str(readme)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert readme.read_text() == text  # regenerating from the same CSV changes nothing
+
+
+def _row(**kw):
+    row = dict(family="decode", shape="TP1 B32 s32768", provider="op", mode="graph", kv_dtype="bf16", ms=1.0, us=1000.0,
+               tflops=None, gbps=None, pct_of_ceiling=None, correct=True, error="")  # fmt: skip
+    row.update(kw)
+    return row
+
+
+def test_targets_pass_fail_and_missing():
+    rows = [
+        _row(pct_of_ceiling=90.0),
+        _row(shape="TP8 B32 s32768", pct_of_ceiling=80.0),  # below 85%: the bf16 decode target fails
+        _row(shape="TP1 B1 s32768", ms=0.005, us=5.0),
+        _row(family="prefill", shape="TP1 1x8192", mode="launched", tflops=250.0, ms=2.0),
+        _row(family="prefill", shape="TP1 1x8192", mode="launched", kv_dtype="fp8", tflops=260.0, ms=1.9),
+    ]
+    results = {name: status for name, _, _, status in report.targets(rows)}
+    assert results["decode bf16 KV, B>=32, TP1+TP8 (graph)"] == "FAIL"
+    assert results["decode B=1 seq 32768 (graph)"] == "PASS"
+    assert results["prefill bf16 TP1 1x8192"] == "PASS"
+    assert results["prefill fp8 KV"] == "PASS"
+    assert results["prefill bf16 TP8 1x8192 and 4x2048+16k"] == "MISSING"
+    rows[0]["correct"] = False  # a fast but wrong kernel never passes
+    rows[1]["pct_of_ceiling"] = 95.0
+    results = {name: status for name, _, _, status in report.targets(rows)}
+    assert results["decode bf16 KV, B>=32, TP1+TP8 (graph)"] == "FAIL"
+
+
+def test_synthetic_topk_lists_and_flop_count():
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.tensor([0, 127, 128, 300, 1000, 4095])
+    ids = bench_inputs.synth_topk(pos, Hkv=2, topk=4, gen=gen)
+    assert ids.dtype == torch.int32 and ids.shape == (2, 6, 4)
+    for h in range(2):
+        for t, p in enumerate(pos.tolist()):
+            row = ids[h, t].tolist()
+            own = p // 128
+            assert row[0] == own
+            older = [b for b in row[1:] if b >= 0]
+            assert len(older) == min(3, own) and len(set(older)) == len(older)
+            assert all(0 <= b < own for b in older)
+            assert row[1 + len(older) :] == [-1] * (3 - len(older))
+    seq = torch.full_like(pos, 4096)
+    keys = bench_inputs.attended_keys(ids, pos, seq)
+    for h in range(2):  # brute force: keys j <= p inside the listed blocks
+        for t, p in enumerate(pos.tolist()):
+            blocks = [b for b in ids[h, t].tolist() if b >= 0]
+            assert keys[h, t] == sum(1 for b in blocks for j in range(b * 128, b * 128 + 128) if j <= p)
