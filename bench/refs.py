@@ -98,8 +98,9 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     return ok, float((out - ref).abs().max())
 
 
-def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, tok_seq, sm_scale: float):
-    """q [t, Hq, D] bf16, cache typed [nb, Hkv, 128, 2D], topk_idx [Hkv, t, T] -> [t, Hq, D]."""
+def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, tok_seq, sm_scale: float, storage_dtype):
+    """q [t, Hq, D] bf16, cache [nb, Hkv, 128, 2D] (bf16, or uint8 bytes of ``storage_dtype``),
+    topk_idx [Hkv, t, T] -> [t, Hq, D]."""
     t, Hq, D = q.shape
     nb, Hkv = cache.shape[:2]
     G = Hq // Hkv
@@ -113,7 +114,9 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
     valid = valid & (pages >= 0) & (pages < nb)
     pages = torch.where(valid, pages, 0)
     heads = torch.arange(Hkv, device=q.device)[:, None, None]
-    kv = cache[pages, heads]  # [Hkv, t, slots, 128, 2D]
+    kv = cache[pages, heads]  # [Hkv, t, slots, 128, 2D]; gathered as bytes: FP8 indexing is not universal
+    if kv.dtype == torch.uint8:
+        kv = kv.view(storage_dtype)
     k = kv[..., :D].to(q.dtype)
     v = kv[..., D:].to(q.dtype)
     if k_scale is not None:
@@ -143,15 +146,15 @@ def chunk_tokens(case, device) -> int:
 
 def sparse_attn_torch(attend, inp, s: dict, chunk: int) -> torch.Tensor:
     """Vectorised PyTorch block-sparse attention; ``attend`` is ``_attend_chunk`` eager or compiled."""
-    cache = inp.cache.view(inp.storage_dtype) if inp.cache.dtype == torch.uint8 else inp.cache
+    cache = inp.cache
     q, ids, table = s["q"], s["topk_idx"], s["block_table"]
     tok_seq = inp.seq_lens.long()[inp.req]
     T = q.shape[0]
     if T <= chunk:
-        return attend(q, cache, inp.k_scale, inp.v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale)
+        return attend(q, cache, inp.k_scale, inp.v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale, inp.storage_dtype)
     outs = [
         attend(q[a : a + chunk], cache, inp.k_scale, inp.v_scale, ids[:, a : a + chunk], table, inp.req[a : a + chunk],
-               inp.pos[a : a + chunk], tok_seq[a : a + chunk], inp.sm_scale)  # fmt: skip
+               inp.pos[a : a + chunk], tok_seq[a : a + chunk], inp.sm_scale, inp.storage_dtype)  # fmt: skip
         for a in range(0, T, chunk)
     ]
     return torch.cat(outs)
@@ -168,8 +171,8 @@ def dense_causal_on_sample(q, k, v, tokens, q_lens, seq_lens, sm_scale) -> torch
     for t in tokens.tolist():
         r = int(torch.searchsorted(starts, torch.tensor(t), right=True)) - 1
         p = seq_lens[r] - q_lens[r] + (t - int(starts[r]))
-        keys = k[r, :, : p + 1].double().cpu().repeat_interleave(G, 0)  # [Hq, p+1, D]
-        vals = v[r, :, : p + 1].double().cpu().repeat_interleave(G, 0)
-        logits = torch.einsum("hd,hkd->hk", q[t].double().cpu(), keys) * sm_scale
-        outs.append(torch.einsum("hk,hkd->hd", torch.softmax(logits, -1), vals))
+        keys = k[r, :, : p + 1].double().cpu()  # [Hkv, p+1, D]
+        vals = v[r, :, : p + 1].double().cpu()
+        logits = torch.einsum("hgd,hkd->hgk", q[t].double().cpu().view(Hkv, G, D), keys) * sm_scale
+        outs.append(torch.einsum("hgk,hkd->hgd", torch.softmax(logits, -1), vals).reshape(Hq, D))
     return torch.stack(outs).float()

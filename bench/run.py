@@ -17,7 +17,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("quant", "decode", "prefill")
-SHARES = {"quant": 1.0, "decode": 2.5, "prefill": 3.0}  # of the time budget, as families start
+SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0}  # of the time budget, as families start
 
 
 def parse_args(argv=None):
@@ -25,8 +25,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing: a smoke run")
     p.add_argument("--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)")
     p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results"), help="output folder")
-    p.add_argument("--readme", default=os.path.join(REPO, "README.md"), help="README whose bench section is rewritten")
+    p.add_argument("--out", default=None, help="output folder (default bench/results, bench/results/cpu with --cpu)")
+    p.add_argument("--readme", default=None,
+                   help="README whose bench section is rewritten (default README.md; --cpu touches none unless given)")
     p.add_argument("--no-readme", action="store_true", help="do not touch the README")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for the families (default 400, quick 150)")
     p.add_argument("--topk-share", type=int, default=1,
@@ -34,6 +35,11 @@ def parse_args(argv=None):
     p.add_argument("--readme-table", metavar="CSV", help="only regenerate table.md + the README section from CSV")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    # Interpreter numbers are no measurement: they never land in the GPU results or the README by default.
+    if args.out is None:
+        args.out = os.path.join(REPO, "bench", "results", *(["cpu"] if args.cpu else []))
+    if args.readme is None and (args.readme_table or not args.cpu):
+        args.readme = os.path.join(REPO, "README.md")
     unknown = set(args.families) - set(FAMILIES)
     if unknown:
         p.error(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
