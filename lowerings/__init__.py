@@ -2,12 +2,14 @@
 
 ``install()`` (run by ``import mm3_compile``) registers, for every ``mm3`` op, the functional
 decomposition that puts its Triton kernels into Inductor's generated code on GPUs.
-``compile_options()`` adds the post-grad SwiGLU+MXFP8 fusion pass.
+``compile_options()`` adds the post-grad SwiGLU+MXFP8 fusion pass; ``dynamic_shapes()`` is the
+symbolic-shape configuration under which serving batches never recompile.
 """
 
 import logging
 
 import torch
+import torch.fx.experimental._config
 
 log = logging.getLogger("mm3_compile")
 
@@ -49,3 +51,12 @@ def compile_options() -> dict:
     from mm3_compile.lowerings.fusion import compile_options as options
 
     return options()
+
+
+def dynamic_shapes():
+    """Context manager for compiling serving code: batch and token dims of any size, 1 included, share a graph.
+
+    ``torch.compile(dynamic=True)`` alone still specialises sizes 0/1 (decode batch 1 recompiles) and
+    duck-sizes equal sizes into one symbol (a batch of 2 requests would be tied to 2 KV heads).
+    """
+    return torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)

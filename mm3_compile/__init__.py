@@ -19,5 +19,6 @@ from mm3_compile import lowerings as _lowerings  # noqa: E402
 
 _lowerings.install()
 compile_options = _lowerings.compile_options
+dynamic_shapes = _lowerings.dynamic_shapes
 
-__all__ = ["compile_options", "ops", "platform"]
+__all__ = ["compile_options", "dynamic_shapes", "ops", "platform"]
