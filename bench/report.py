@@ -8,7 +8,7 @@ import re
 from bench.harness import COLUMNS
 
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
-FAMILY_ORDER = ["ceiling", "quant", "decode", "prefill"]
+FAMILY_ORDER = ["ceiling", "quant", "decode", "prefill", "indexer"]
 
 
 def write_csv(rows: list[dict], path: str) -> None:

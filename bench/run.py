@@ -16,15 +16,15 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ("quant", "decode", "prefill")
-SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0}  # of the time budget, as families start
+FAMILIES = ("quant", "decode", "prefill", "indexer")
+SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0, "indexer": 1.0}  # of the time budget, as families start
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing: a smoke run")
     p.add_argument("--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)")
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer")
     p.add_argument("--out", default=None, help="output folder (default bench/results, bench/results/cpu with --cpu)")
     p.add_argument("--readme", default=None,
                    help="README whose bench section is rewritten (default README.md; --cpu touches none unless given)")
@@ -186,10 +186,10 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     measure_ceilings(ctx)
     print(f"ceilings: copy {ctx.ceilings.get('copy')} GB/s, matmul {ctx.ceilings.get('matmul')} TFLOP/s", flush=True)
-    from bench import attention, quant
+    from bench import attention, indexer, quant
 
     runners = {"quant": lambda: quant.run(ctx), "decode": lambda: attention.Decode(ctx).run(),
-               "prefill": lambda: attention.Prefill(ctx).run()}  # fmt: skip
+               "prefill": lambda: attention.Prefill(ctx).run(), "indexer": lambda: indexer.run(ctx)}  # fmt: skip
     for family in args.families:
         budget.begin(family)
         started = time.monotonic()

@@ -24,6 +24,7 @@ EXPECTED_PROVIDERS = {
     "decode": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
     "prefill": {"op", "op_compiled", "torch_ref", "torch_ref_compiled", "flex_create_block_mask", "flex_attention",
                 "sdpa_dense_causal"},  # fmt: skip
+    "indexer": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
 }
 
 
