@@ -36,7 +36,7 @@ from mm3_compile.kernels.fp8 import fp8_decode, format_constants
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
-PAGE: tl.constexpr = 128  # tokens per page == sparse block size
+PAGE = tl.constexpr(128)  # tokens per page == sparse block size
 
 
 @triton.jit
@@ -199,7 +199,7 @@ def sparse_attn_fwd_kernel(
     first = split * blocks_per_split
     stop = tl.where(split == num_splits - 1, 0x7FFFFFFF, first + blocks_per_split)
     key = tl.min(keys)
-    index = 0
+    index = tl.full([], 0, tl.int32)  # a tensor from the start: loop-carried values keep one type
     while (key != NO_KEY) & (index < stop):
         if index >= first:
             block_req = key // max_blocks
@@ -221,6 +221,10 @@ def sparse_attn_fwd_kernel(
                 base[None, :] + dims[:, None], key_ok[None, :], ks,
                 MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
             )  # [D, 128]  # fmt: skip
+            v = _load_kv_tile(
+                base[:, None] + D + dims[None, :], key_ok[:, None], vs,
+                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # [128, D], issued before the QK dot so both loads are in flight together  # fmt: skip
             s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -229,10 +233,6 @@ def sparse_attn_fwd_kernel(
             alpha = tl.exp2(m - m_ref)
             p = tl.exp2(s - m_ref[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(
-                base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-            )  # [128, D]  # fmt: skip
             p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
             if DOT_FP32:
                 p = p.to(tl.float32)
@@ -290,11 +290,14 @@ LOG2E = 1.4426950408889634
 
 
 def kernel_options(device: torch.device) -> dict:
-    """Launch options: the interpreter's bf16 dots are wrong (widen), gfx9 LDS is 64 KB (one stage)."""
+    """Launch options: the interpreter's bf16 dots are wrong (widen them).  On sm_90 every variant
+    (bf16 / typed FP8 / FP8 bytes, 16 or 128 rows) compiles without register spills only with 8
+    warps (4 warps spill up to 3.9 KB of stack); gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
     if platform.interpreting() or device.type != "cuda":
         return dict(DOT_FP32=True, num_warps=4)
-    amd = platform.platform_for(device).vendor == "amd"
-    return dict(DOT_FP32=False, num_warps=4, num_stages=1 if amd else 2)
+    if platform.platform_for(device).vendor == "amd":
+        return dict(DOT_FP32=False, num_warps=4, num_stages=1)
+    return dict(DOT_FP32=False, num_warps=8, num_stages=2)
 
 
 def launch_sparse_attn(
@@ -320,6 +323,7 @@ def launch_sparse_attn(
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
     # Head counts and the head dim are compile-time tile sizes: a symbolic trace specialises them.
     G, D = int(Hq // Hkv), int(D)
+    block_h = max(triton.next_power_of_2(G), 16 // block_q)  # tl.dot needs M >= 16 rows
     T = topk_idx.shape[2]
     num_reqs = seq_lens.shape[0]
     if fmt is not None and not platform.triton_native_fp8(fmt.dtype, q.device):
@@ -345,8 +349,7 @@ def launch_sparse_attn(
         topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
         block_table.stride(0), block_table.stride(1),
         *k_strides, *v_strides,
-        G=G, D=D, BLOCK_H=max(triton.next_power_of_2(G), 16 // block_q), BLOCK_Q=block_q,
-        BLOCK_T=triton.next_power_of_2(int(T)),
+        G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=lse is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
         SCALE_MODE=scale_mode, **fp8_constants, **kernel_options(q.device),
