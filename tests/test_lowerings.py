@@ -117,3 +117,225 @@ def test_export_keeps_ops_and_round_trips(tmp_path, device):
     loaded = torch.export.load(path)
     expected = EveryOp(num_blocks=8, device=device).prefill(*batch.args())
     assert_outputs_equal(loaded.module()(*batch.args()), expected)
+
+
+def test_deploy_refuses_other_fp8_platform():
+    from mm3_compile import deploy
+
+    with platform.emulate("sm_90"):
+        stamp = deploy.platform_stamp("cpu")
+    with platform.emulate("gfx950"):
+        deploy.check_platform(stamp, "cpu")  # both OCP: the same bytes mean the same values
+    with platform.emulate("gfx942"), pytest.raises(RuntimeError, match="traced for platform sm_90.*gfx942"):
+        deploy.check_platform(stamp, "cpu")
+    with pytest.raises(ValueError, match="no mm3_compile platform stamp"):
+        deploy.check_platform({}, "cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the kernels inside Inductor's code, CUDA graphs, in-place cache writes, AOTInductor.
+
+
+def our_kernel_names() -> set[str]:
+    import triton
+
+    from mm3_compile.kernels.indexer import topk
+    from mm3_compile.kernels.kv_cache import write
+    from mm3_compile.kernels.mxfp8 import quant
+    from mm3_compile.kernels.sparse_attn import decode, prefill
+
+    return {
+        obj.fn.__name__
+        for module in (topk, write, quant, decode, prefill)
+        for obj in vars(module).values()
+        if isinstance(obj, triton.runtime.jit.JITFunction)
+    }
+
+
+def launched_kernels(code: str) -> dict[str, int]:
+    """Our user-defined Triton kernels launched by Inductor's wrapper code, with launch counts."""
+    counts = {}
+    for name in sorted(our_kernel_names()):
+        n = len(re.findall(rf"\b{name}_\d+\.run\(", code))
+        if n:
+            counts[name] = n
+    return counts
+
+
+def compiled_step_code(module, step, batch, **compile_kwargs):
+    torch._dynamo.reset()
+    compiled = torch.compile(getattr(module, step), fullgraph=True, **compile_kwargs)
+    with torch._inductor.utils.fresh_cache():
+        out, codes = torch._inductor.utils.run_and_get_code(compiled, *batch.args())
+    return out, "\n".join(codes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_gpu_inductor_code_contains_our_kernels(kv_cache_dtype, step, device):
+    module = EveryOp(num_blocks=64, D=128, kv_cache_dtype=kv_cache_dtype, device=device)
+    batch = make_batch(module, [0, 300] if step == "prefill" else [300, 700], [200, 60] if step == "prefill" else [1, 1], device=device)
+    out, code = compiled_step_code(module, step, batch)
+    assert "async_compile.triton(" in code
+    assert mm3_calls(code) == [], "an mm3 op is still called opaquely"
+    kernels = launched_kernels(code)
+    for expected in ("_kv_cache_write_kernel", "_swiglu_oai_mxfp8_kernel", "_mxfp8_quantize_kernel"):
+        assert expected in kernels, kernels
+    assert_outputs_equal(out, getattr(module, step)(*batch.args()))
+
+
+@pytest.mark.gpu
+def test_gpu_emulated_platform_changes_generated_kernels(device):
+    def quantize(x):
+        return torch.ops.mm3.mxfp8_quantize(x)
+
+    x = torch.randn(64, 256, device=device)
+    codes = {}
+    for target in ("sm_90", "gfx942"):
+        with platform.emulate(target):
+            torch._dynamo.reset()
+            with torch._inductor.utils.fresh_cache():
+                (values, _), (code,) = torch._inductor.utils.run_and_get_code(torch.compile(quantize, fullgraph=True), x)
+            assert values.dtype == platform.mxfp8_value_dtype(device)
+            codes[target] = code
+    assert codes["sm_90"] != codes["gfx942"]
+    # FP8_MAX is a constant of the generated launch: 448 for OCP e4m3, 240 for FNUZ e4m3.
+    assert "448.0" in codes["sm_90"] and "240.0" not in codes["sm_90"]
+    assert "240.0" in codes["gfx942"] and "448.0" not in codes["gfx942"]
+
+
+@pytest.mark.gpu
+def test_gpu_fusion_pass_emits_fused_kernel(device):
+    torch._dynamo.reset()
+    gate_up = (torch.randn(300, 2 * 3072, device=device) * 4).to(torch.bfloat16)
+    compiled = torch.compile(unfused_moe_activation, fullgraph=True, options=mm3_compile.compile_options())
+    with torch._inductor.utils.fresh_cache():
+        (values, scales), (code,) = torch._inductor.utils.run_and_get_code(compiled, gate_up)
+    assert launched_kernels(code) == {"_swiglu_oai_mxfp8_kernel": 1}
+    ref_values, ref_scales = mxfp8_quantize_ref(swiglu_oai_ref(gate_up), platform.fp8_format(values.dtype))
+    assert torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+def count_cuda_graphs(device) -> int:
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+    stack = [node for roots in manager.roots.values() for node in roots]
+    count = 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(child for children in node.children.values() for child in children)
+    return count
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_replays_decode_without_rerecording(device):
+    torch._dynamo.reset()
+    module = EveryOp(num_blocks=64, D=128, device=device)
+    compiled = torch.compile(module.decode, fullgraph=True, mode="reduce-overhead")
+    batches = [make_batch(module, [300, 129, 1000, 5], [1, 1, 1, 1], seed=s, device=device) for s in range(6)]
+    for batch in batches[:3]:  # warm-up, record, first replay
+        compiled(*batch.args())
+    recorded = count_cuda_graphs(device)
+    for batch in batches[3:]:
+        got = [t.clone() for t in compiled(*batch.args())]
+        assert_outputs_equal(got, module.decode(*batch.args()))
+    assert recorded >= 1 and count_cuda_graphs(device) == recorded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("as_buffer", [True, False])
+def test_gpu_kv_cache_write_is_in_place(as_buffer, device):
+    torch._dynamo.reset()
+    cache = torch.zeros(4096, 4, 128, 256, dtype=torch.bfloat16, device=device)  # 1 GiB
+    k = torch.randn(64, 4, 128, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(4096 * 128, device=device)[:64]
+
+    class Writer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if as_buffer:
+                self.register_buffer("cache", cache)
+
+        def forward(self, k, slots, cache=None):
+            target = self.cache if as_buffer else cache
+            torch.ops.mm3.kv_cache_write(k, k * 2, target, slots)
+            return target[0, 0, 0, :4].float().sum()
+
+    compiled = torch.compile(Writer(), fullgraph=True)
+    args = (k, slots) if as_buffer else (k, slots, cache)
+    compiled(*args)  # compile
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    compiled(*args)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < cache.numel() * cache.element_size() // 8, "the cache was copied"
+    rows = cache.permute(0, 2, 1, 3).reshape(-1, 4, 256)  # [slot, Hkv, 2D]
+    assert torch.equal(rows[slots.long(), :, :128], k) and torch.equal(rows[slots.long(), :, 128:], k * 2)
+
+
+AOTI_RUNNER = r"""
+import sys, torch
+inputs = torch.load(sys.argv[2])
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+outputs = runner(*inputs)
+torch.save([o.cpu() for o in outputs], sys.argv[3])
+assert not any(name.startswith("mm3_compile") for name in sys.modules), "the package needed mm3_compile"
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_aoti_package_runs_without_mm3_compile(tmp_path, device):
+    import subprocess
+    import sys
+    import zipfile
+
+    from mm3_compile import deploy
+
+    class ReadOnlyStep(torch.nn.Module):
+        """Every op but the cache write (AOTI runs on caches passed in, not on module state)."""
+
+        def forward(self, q, kv_cache, index_q, index_cache, gate_up, block_table, cu_seqlens_q, seq_lens):
+            topk_idx = torch.ops.mm3.index_topk(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, 2, 0, 1)
+            out = torch.ops.mm3.sparse_attn_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, 0.125)
+            act_values, act_scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+            out_values, out_scales = torch.ops.mm3.mxfp8_quantize(out.flatten(1))
+            return out, act_values.view(torch.uint8), act_scales.view(torch.uint8), out_values.view(torch.uint8), out_scales.view(torch.uint8)
+
+    module = EveryOp(num_blocks=32, D=64, device=device)
+    batch = make_batch(module, [0, 300], [130, 40], device=device)
+    module.prefill(*batch.args())  # fill the caches
+    inputs = (batch.q, module.kv_cache, batch.index_q, module.index_cache, batch.gate_up, batch.block_table, batch.cu_seqlens_q, batch.seq_lens)
+    expected = ReadOnlyStep()(*inputs)
+    exported = torch.export.export(ReadOnlyStep(), inputs, strict=False)
+    path = deploy.package(exported, tmp_path / "step.pt2", device)
+
+    with zipfile.ZipFile(path) as archive:
+        sources = "".join(archive.read(n).decode(errors="ignore") for n in archive.namelist() if n.endswith((".cpp", ".h")))
+        assert sources and "aoti_torch_proxy_executor_call_function" not in sources and "mm3::" not in sources
+    torch.save(list(inputs), tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", AOTI_RUNNER, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")], check=True)
+    for got, want in zip(torch.load(tmp_path / "out.pt"), expected):
+        assert torch.equal(got, want.cpu())
+
+    assert deploy.load(path, device).get_metadata()["mm3_compile.platform"] == "sm_90"
+    with platform.emulate("gfx942"), pytest.raises(RuntimeError, match="gfx942"):
+        deploy.load(path, device)
+
+
+if torch.cuda.is_available():
+    from torch.testing._internal.common_utils import TestCase
+
+    class TestDecoderStepKernels(TestCase):
+        """The user Triton kernels one compiled decoder step launches: names and counts, stable across runs."""
+
+        @pytest.mark.gpu
+        def test_kernel_list(self):
+            module = EveryOp(num_blocks=64, D=128, kv_cache_dtype="fp8", device="cuda")
+            batch = make_batch(module, [300, 129, 1000], [1, 1, 1], device="cuda")
+            _, code = compiled_step_code(module, "decode", batch)
+            summary = "\n".join(f"{name} x{count}" for name, count in launched_kernels(code).items())
+            self.assertExpectedInline(summary, """""")
