@@ -196,8 +196,9 @@ def test_prefill_matches_reference(model_dtype, layout, D, Hkv, G, device):
     assert_close(out, case.reference(), model_dtype, "prefill")
 
 
-def test_prefill_16_heads_per_kv_head(device):
-    case = build(device, [(200, 3)], D=64, Hkv=1, G=16)
+@pytest.mark.parametrize("G, T", [(16, 4), (6, 3), (3, 5)])  # padded head groups and slot lists
+def test_prefill_head_groups_and_list_lengths(G, T, device):
+    case = build(device, [(200, 3), (390, 4)], D=64, Hkv=2 if G < 16 else 1, G=G, T=T)
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
 
 
@@ -225,10 +226,10 @@ def test_invalid_topk_entries_are_ignored(op, device):
 
 @pytest.mark.parametrize(
     "model_dtype, layout, D, Hkv, G",
-    [(torch.bfloat16, "NHD", 128, 2, 4), (torch.float16, "HND", 64, 1, 8)],
+    [(torch.bfloat16, "NHD", 128, 2, 4), (torch.float16, "HND", 64, 1, 8), (torch.bfloat16, "HND", 64, 2, 3)],
 )
 def test_decode_matches_reference(model_dtype, layout, D, Hkv, G, device):
-    case = build(device, DECODE_REQS, D=D, Hkv=Hkv, G=G, model_dtype=model_dtype, layout=layout)
+    case = build(device, DECODE_REQS, D=D, Hkv=Hkv, G=G, T=4 if G != 3 else 3, model_dtype=model_dtype, layout=layout)
     out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     assert (out[2:4] == 0).all()  # the padding request
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
@@ -383,7 +384,7 @@ def test_decode_bad_input(device):
 @pytest.mark.parametrize("Hq, Hkv", [(64, 4), (8, 1)])
 @pytest.mark.parametrize("spec", ["auto", "fp8"])
 def test_gpu_prefill_m3_shapes(Hq, Hkv, spec, device):
-    case = build(device, [(2600, 1300), (1900, 1900), (700, 0), (1200, 64)], D=128, Hkv=Hkv, G=Hq // Hkv, T=16,
+    case = build(device, [(2600, 1000), (1900, 1200), (700, 0), (1200, 64)], D=128, Hkv=Hkv, G=Hq // Hkv, T=16,
                  spec=spec, scale="scalar" if spec != "auto" else "none", seed=11)  # fmt: skip
     out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
     assert_close(out, case.reference(), torch.bfloat16, f"prefill Hq{Hq} {spec}")
