@@ -53,6 +53,7 @@ class Context:
         self.ceilings: dict[str, float] = {}  # "copy" GB/s, "matmul" TFLOP/s
         # CPU mode checks the harness only: aot_eager traces the ops (fakes, launchers) without C++ builds.
         self.compile_backend = "inductor" if self.cuda else "aot_eager"
+        self._compiled = {}
         if self.cuda:
             props = torch.cuda.get_device_properties(device)
             self.l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
@@ -60,7 +61,11 @@ class Context:
             self.l2_bytes = 1 << 20
 
     def compile(self, fn, **kw):
-        return torch.compile(fn, backend=self.compile_backend, **kw)
+        """One compiled wrapper per (function, options) for the whole run, so families share its graphs."""
+        key = (fn, tuple(sorted(kw.items())))
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(fn, backend=self.compile_backend, **kw)
+        return self._compiled[key]
 
     def record(self, **fields) -> dict:
         row = {c: "" for c in COLUMNS}

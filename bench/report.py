@@ -125,12 +125,14 @@ def plots(rows: list[dict], out_dir: str) -> list[str]:
         lines = {}
         for r in fam:
             lines.setdefault(f"{r['provider']} [{r['mode']}]", {})[f"{r['shape']}\n{r['kv_dtype']}"] = r
-        for name, points in lines.items():
+        colors = plt.get_cmap("tab20")
+        for n, (name, points) in enumerate(lines.items()):
+            style = dict(marker="o", label=name, color=colors(n % 20), linestyle="--" if "[graph]" in name else "-")
             idx = [i for i, x in enumerate(xs) if x in points]
-            axes[0].plot(idx, [points[xs[i]]["ms"] for i in idx], marker="o", label=name)
+            axes[0].plot(idx, [points[xs[i]]["ms"] for i in idx], **style)
             pct = [(i, points[xs[i]]["pct_of_ceiling"]) for i in idx if points[xs[i]]["pct_of_ceiling"] is not None]
             if pct:
-                axes[1].plot([i for i, _ in pct], [p for _, p in pct], marker="o", label=name)
+                axes[1].plot([i for i, _ in pct], [p for _, p in pct], **style)
         axes[0].set_yscale("log")
         axes[0].set_ylabel("ms per call")
         axes[1].set_ylabel("% of ceiling (copy GB/s or matmul TFLOP/s)")
@@ -138,7 +140,7 @@ def plots(rows: list[dict], out_dir: str) -> list[str]:
             ax.set_xticks(range(len(xs)))
             ax.set_xticklabels(xs, rotation=60, ha="right", fontsize=7)
             ax.grid(alpha=0.3)
-        axes[1].legend(fontsize=6, loc="best")
+        axes[0].legend(fontsize=6, loc="best")
         fig.suptitle(f"{family} ({fam[0]['gpu']})")
         fig.tight_layout()
         path = os.path.join(out_dir, f"{family}.png")

@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p.add_argument("--readme", default=None,
                    help="README whose bench section is rewritten (default README.md; --cpu touches none unless given)")
     p.add_argument("--no-readme", action="store_true", help="do not touch the README")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for the families (default 400, quick 150)")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for the families (default 380, quick 150)")
     p.add_argument("--topk-share", type=int, default=1,
                    help="consecutive query tokens sharing their random older blocks (1 = independent, worst case)")
     p.add_argument("--readme-table", metavar="CSV", help="only regenerate table.md + the README section from CSV")
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     else:
         print("no CUDA device: pass --cpu for the interpreter smoke run", file=sys.stderr)
         return 2
-    budget_s = args.budget_s if args.budget_s is not None else (150 if args.quick else 400)
+    budget_s = args.budget_s if args.budget_s is not None else (150 if args.quick else 380)
     budget = Budget(budget_s, {f: SHARES[f] for f in args.families})
     ctx = Context(device, args.quick or args.cpu, budget, share=args.topk_share)
     print(f"device {ctx.env['gpu']}, torch {ctx.env['torch']}, triton {ctx.env['triton']}; budget {budget_s:.0f} s", flush=True)
