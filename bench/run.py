@@ -134,6 +134,7 @@ def write_outputs(rows, out_dir: str, readme: str | None) -> None:
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
     report.write_csv(rows, csv_path)
+    rows = report.read_csv(csv_path)  # the table, plots and targets see exactly what --readme-table will
     table = report.markdown_table(rows)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(table)
