@@ -22,7 +22,7 @@ from mm3_compile.kernels.fp8 import fp8_encode, format_constants
 from mm3_compile.ops._kv import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.platform import FP8Format, interpreting
 
-PAGE: tl.constexpr = PAGE_SIZE
+PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance
 MODE_SCALAR: tl.constexpr = SCALE_SCALAR
 MODE_PER_TOKEN_HEAD: tl.constexpr = SCALE_PER_TOKEN_HEAD
 
