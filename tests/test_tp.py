@@ -49,7 +49,8 @@ def _workload(config, group, backend=None):
             fn = prefill if q_lens[0] > 1 else decode
             logits, hiddens, topk = fn(ids, runtime.extend(q_lens), runtime.caches)
             expected = ref.step(ids, q_lens, forced=hiddens)
-            outputs.append(dict(logits=logits, hiddens=hiddens, topk=topk, errors=sub_block_errors(hiddens, expected, hiddens)))
+            errors = sub_block_errors(hiddens, expected, hiddens)
+            outputs.append(dict(logits=logits, hiddens=hiddens, topk=topk, errors=errors))
     all_reduces = [sum("all_reduce" in str(n.target) for n in gm.graph.nodes) for gm in graphs]
     return outputs, all_reduces
 
@@ -63,7 +64,8 @@ def _rank_main(rank, world, init_file, out_file, config_name):
         compiled, all_reduces = _workload(config, dist.group.WORLD, backend="capture")
         graph_breaks = dict(torch._dynamo.utils.counters["graph_break"])
         if rank == 0:
-            torch.save(dict(eager=eager, compiled=compiled, all_reduces=all_reduces, graph_breaks=graph_breaks), out_file)
+            result = dict(eager=eager, compiled=compiled, all_reduces=all_reduces, graph_breaks=graph_breaks)
+            torch.save(result, out_file)
     finally:
         dist.destroy_process_group()
 

@@ -200,7 +200,9 @@ class M3Attention(nn.Module):
         self.qkv_weight = nn.Parameter(
             torch.zeros(sum(self.split_sizes), config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.o_weight = nn.Parameter(torch.zeros(config.hidden_size, hq * D, dtype=dtype, device=device), requires_grad=False)
+        self.o_weight = nn.Parameter(
+            torch.zeros(config.hidden_size, hq * D, dtype=dtype, device=device), requires_grad=False
+        )
         eps = config.rms_norm_eps
         self.q_norm = GemmaRMSNorm(D, eps, dtype, device)
         self.k_norm = GemmaRMSNorm(D, eps, dtype, device)
@@ -478,7 +480,8 @@ def random_full_state(config: MiniMaxM3Config, seed: int, dtype=torch.bfloat16, 
         state[p + "post_attn_norm.weight"] = randn(H, std=0.1)
         state[p + "attn.qkv_proj.weight"] = linear(qkv_rows, H)
         state[p + "attn.o_proj.weight"] = linear(H, Hq * D)
-        for name, width in [("q_norm", D), ("k_norm", D)] + ([("index_q_norm", Didx), ("index_k_norm", Didx)] if sparse else []):
+        norms = [("q_norm", D), ("k_norm", D)] + ([("index_q_norm", Didx), ("index_k_norm", Didx)] if sparse else [])
+        for name, width in norms:
             state[p + f"attn.{name}.weight"] = randn(width, std=0.1)
         if sparse:
             I = config.moe_intermediate_size

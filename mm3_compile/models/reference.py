@@ -111,7 +111,9 @@ class RefStep:
 class ReferenceModel:
     """The reference M3 model over a batch of requests with contiguous per-request histories."""
 
-    def __init__(self, config: MiniMaxM3Config, state: dict, model_dtype=torch.bfloat16, kv_cache_dtype="auto", device="cpu"):
+    def __init__(
+        self, config: MiniMaxM3Config, state: dict, model_dtype=torch.bfloat16, kv_cache_dtype="auto", device="cpu"
+    ):
         self.cfg, self.model_dtype = config, model_dtype
         self.device = torch.device(device)
         self.kv_dtype = platform.resolve_kv_cache_dtype(kv_cache_dtype, self.device, model_dtype)
@@ -120,7 +122,8 @@ class ReferenceModel:
         for name, t in state.items():
             t = t.to(self.device).float()
             if ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
-                t = torch.stack([mx_quant_dequant(e, self.device) for e in t]) if t.dim() == 3 else mx_quant_dequant(t, self.device)
+                experts = t if t.dim() == 3 else t[None]  # one expert at a time bounds the fp64 temporaries
+                t = torch.stack([mx_quant_dequant(e, self.device) for e in experts]).view(t.shape)
             self.w[name] = t
         self.reset(0)
 
@@ -138,7 +141,8 @@ class ReferenceModel:
 
     # ---- sub-blocks ------------------------------------------------------------------------------
 
-    def _attention(self, layer: int, h: torch.Tensor, q_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _attention(self, layer: int, h: torch.Tensor, q_lens: Sequence[int]):
+        """Residual stream after attention [T, H], and the selected blocks [Hkv, T, topk] (sparse layers)."""
         cfg, p = self.cfg, f"layers.{layer}."
         sparse = cfg.is_sparse_layer(layer)
         D, Didx, Hq, Hkv = cfg.head_dim, cfg.index_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -219,7 +223,7 @@ class ReferenceModel:
 
     # ---- a whole step ----------------------------------------------------------------------------
 
-    def step(self, input_ids: torch.Tensor, q_lens: Sequence[int], forced: Sequence[torch.Tensor] | None = None) -> RefStep:
+    def step(self, input_ids: torch.Tensor, q_lens: Sequence[int], forced: Sequence[torch.Tensor] | None = None):
         """Run ``q_lens[r]`` new tokens per request (packed request-major) and append them to the histories.
 
         ``forced``: the op model's ``hiddens`` of the same step; sub-block i then reads ``forced[i]``
@@ -271,7 +275,7 @@ def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
     """
     errs = []
     for i in range(1, len(op_hiddens)):
-        op, r, inp = op_hiddens[i].float(), ref.hiddens[i].cpu(), forced[i - 1].float()
+        op, r, inp = op_hiddens[i].cpu().float(), ref.hiddens[i].cpu(), forced[i - 1].cpu().float()
         eps = torch.finfo(op_hiddens[i].dtype).eps
         excess = ((op - r).abs() - eps * r.abs()).clamp(min=0)
         errs.append((excess.max() / (r - inp).abs().max().clamp(min=1e-6)).item())
@@ -281,11 +285,13 @@ def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
 def topk_set_mismatches(op_topk, ref_topk) -> int:
     bad = 0
     for a, b in zip(op_topk, ref_topk):
-        bad += int((a.long().sort(-1).values != b.cpu().long().sort(-1).values).any(-1).sum())
+        bad += int((a.cpu().long().sort(-1).values != b.cpu().long().sort(-1).values).any(-1).sum())
     return bad
 
 
-def compare_with_reference(result, config: MiniMaxM3Config, state: dict, model_dtype, kv_cache_dtype: str, device="cpu") -> Comparison:
+def compare_with_reference(
+    result, config: MiniMaxM3Config, state: dict, model_dtype, kv_cache_dtype: str, device="cpu"
+) -> Comparison:
     """Replay a :class:`~mm3_compile.models.runtime.WorkloadResult` through two references (teacher forced
     and free running) and collect the errors."""
     forced_ref = ReferenceModel(config, state, model_dtype, kv_cache_dtype, device)

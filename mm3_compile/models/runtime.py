@@ -48,7 +48,8 @@ class PagedKVRuntime:
             kv = torch.zeros(num_blocks, hkv, PAGE_SIZE, 2 * cfg.head_dim, dtype=alloc_dtype, device=self.device)
             index = None
             if layer.sparse:
-                index = torch.zeros(num_blocks + 1, PAGE_SIZE, cfg.index_head_dim, dtype=model.dtype, device=self.device)
+                index_shape = (num_blocks + 1, PAGE_SIZE, cfg.index_head_dim)
+                index = torch.zeros(index_shape, dtype=model.dtype, device=self.device)
             self.caches.append((kv, index))
         self._rng = random.Random(seed)
         self.reset()
@@ -187,7 +188,9 @@ def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwar
         return call
 
     options = dict(fullgraph=True, backend=backend, **kwargs)
-    return dynamic_tokens(torch.compile(model.prefill, **options)), dynamic_tokens(torch.compile(model.decode, **options))
+    prefill = torch.compile(model.prefill, **options)
+    decode = torch.compile(model.decode, **options)
+    return dynamic_tokens(prefill), dynamic_tokens(decode)
 
 
 def run_demo_workload(
