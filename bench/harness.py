@@ -15,7 +15,7 @@ from bench.timing import Budget, Timer
 
 COLUMNS = [
     "family", "shape", "provider", "mode", "graph_replay", "dtype", "kv_dtype", "ms", "us", "tflops", "gbps",
-    "pct_of_ceiling", "ceiling_kind", "flops", "bytes", "correct", "max_err", "n_sets", "note", "error",
+    "pct_of_ceiling", "ceiling_kind", "flops", "bytes", "topk_share", "correct", "max_err", "n_sets", "note", "error",
     "gpu", "torch", "triton", "python", "timestamp",
 ]  # fmt: skip
 

@@ -30,15 +30,17 @@ class AttnCase:
     seq_lens: tuple[int, ...]  # KV length per request, this chunk included
     kv: str  # "bf16" | "fp8"
     topk: int = TOPK
+    share: int = 0  # > 0: consecutive tokens sharing their random older blocks (see synth_topk); 0 = the run's default
 
     @property
     def shape(self) -> str:
         B = len(self.q_lens)
+        shared = f" share{self.share}" if self.share else ""
         if self.family == "decode":
-            return f"{self.tp} B{B} s{self.seq_lens[0]}"
+            return f"{self.tp} B{B} s{self.seq_lens[0]}{shared}"
         prefix = self.seq_lens[0] - self.q_lens[0]
         prefix_text = f"{prefix // 1024}k" if prefix % 1024 == 0 else str(prefix)
-        return f"{self.tp} {B}x{self.q_lens[0]}" + (f" +{prefix_text} prefix" if prefix else "")
+        return f"{self.tp} {B}x{self.q_lens[0]}" + (f" +{prefix_text} prefix" if prefix else "") + shared
 
     @property
     def key(self) -> str:
@@ -71,6 +73,8 @@ def decode_cases(cpu: bool, quick: bool) -> list[AttnCase]:
 
 
 def prefill_cases(cpu: bool, quick: bool) -> list[AttnCase]:
+    """The issue's shapes, then (full runs) our op on lists where runs of 64 tokens share their
+    older blocks -- what a tile-grouping kernel gains on correlated lists (informational rows)."""
     if cpu:
         return [
             AttnCase("prefill", "tiny", 4, 2, 128, (160,), (160,), "bf16", topk=2),
@@ -81,11 +85,15 @@ def prefill_cases(cpu: bool, quick: bool) -> list[AttnCase]:
     if quick:
         order = order[:2]
     heads = {"TP1": (64, 4), "TP8": (8, 1)}
-    return [
+    cases = [
         AttnCase("prefill", tp, *heads[tp], 128, q_lens, seq_lens, kv)
         for kv in ("bf16", "fp8")
         for tp, (q_lens, seq_lens) in order
     ]
+    if not quick:
+        cases += [AttnCase("prefill", tp, *heads[tp], 128, *one, kv, share=64) for tp, kv in
+                  (("TP1", "bf16"), ("TP8", "bf16"), ("TP1", "fp8"))]  # fmt: skip
+    return cases
 
 
 def token_positions(case: AttnCase, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +176,7 @@ def _fill_cache(pool: int, case: AttnCase, device, gen) -> tuple[torch.Tensor, t
 
 def make_attn_inputs(case: AttnCase, device, l2_bytes: int, min_pool_bytes: int, share: int = 1) -> AttnInputs:
     gen = seeded(case.key, device)
+    share = case.share or share
     B = len(case.q_lens)
     elem = 2 if case.kv == "bf16" else 1
     page_bytes = case.Hkv * PAGE * 2 * case.D * elem

@@ -121,6 +121,10 @@ def test_synthetic_topk_lists_and_flop_count():
             assert len(older) == min(3, own) and len(set(older)) == len(older)
             assert all(0 <= b < own for b in older)
             assert row[1 + len(older) :] == [-1] * (3 - len(older))
+    near = torch.arange(1024, 1032)  # 8 tokens of one block, groups of 4 share their older picks
+    shared = bench_inputs.synth_topk(near, Hkv=1, topk=4, gen=gen, share=4)
+    assert torch.equal(shared[:, 0], shared[:, 3]) and torch.equal(shared[:, 4], shared[:, 7])
+    assert not torch.equal(shared[:, 0, 1:], shared[:, 4, 1:])
     seq = torch.full_like(pos, 4096)
     keys = bench_inputs.attended_keys(ids, pos, seq)
     for h in range(2):  # brute force: keys j <= p inside the listed blocks
