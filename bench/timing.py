@@ -61,7 +61,7 @@ class Timer:
             return self._cpu(step)
         import triton.testing
 
-        warmup, rep = (10, 30) if self.quick else (25, 100)
+        warmup, rep = (10, 30) if self.quick else (10, 60)  # ms; ~100+ samples for the µs-scale calls
         if slow:  # ~10-100 ms calls (PyTorch references on prefill): a few calls are enough
             warmup, rep = 1, 1
         return float(triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median"))
@@ -74,17 +74,25 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
     def graph(self, fns, min_calls: int = 32) -> float | None:
-        """Per-call ms of ``fns`` captured ``ceil(min_calls / len(fns))`` times round in one CUDA graph."""
+        """Per-call ms of ``fns`` captured round-robin in one CUDA graph: every set at least once, and
+        up to ``min_calls`` calls when calls are short, so one replay lasts ~2 ms or more."""
         if not self.cuda:
             return None
-        rounds = max(1, math.ceil(min_calls / len(fns)))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):  # warm-up off the capture stream, as capture requires
             for f in fns:
                 f()
+            start.record()
+            for f in fns:
+                f()
+            end.record()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        # Enough calls per replay that a replay lasts >= ~2 ms (launch gaps amortised), at most min_calls.
+        per_call = max(start.elapsed_time(end) / len(fns), 1e-4)
+        rounds = max(1, math.ceil(min(min_calls, 2.0 / per_call) / len(fns)))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(rounds):
@@ -93,13 +101,12 @@ class Timer:
         calls_per_replay = rounds * len(fns)
         graph.replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
         one = max(start.elapsed_time(end), 1e-3)
-        target_ms = 20.0 if self.quick else 60.0
+        target_ms = 10.0 if self.quick else 25.0  # per timing window
         replays = max(3, min(2000, int(target_ms / one)))
         samples = []
         for _ in range(3 if self.quick else 5):
