@@ -32,9 +32,9 @@ from mm3_compile.ops._kv import PAGE_SIZE
 from mm3_compile.platform import interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance
-INIT_SCORE: tl.constexpr = 1e30
-LOCAL_SCORE: tl.constexpr = 1e29
-NAN_SCORE: tl.constexpr = -1e30
+INIT_SCORE = tl.constexpr(1e30)
+LOCAL_SCORE = tl.constexpr(1e29)
+NAN_SCORE = tl.constexpr(-1e30)
 
 
 @triton.jit

@@ -23,8 +23,8 @@ from mm3_compile.ops._kv import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCA
 from mm3_compile.platform import FP8Format, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance
-MODE_SCALAR: tl.constexpr = SCALE_SCALAR
-MODE_PER_TOKEN_HEAD: tl.constexpr = SCALE_PER_TOKEN_HEAD
+MODE_SCALAR = tl.constexpr(SCALE_SCALAR)
+MODE_PER_TOKEN_HEAD = tl.constexpr(SCALE_PER_TOKEN_HEAD)
 
 
 @triton.jit
