@@ -10,16 +10,28 @@ import torch
 
 from bench import inputs as bench_inputs
 from bench.harness import Check, Context
-from bench.refs import _attend_chunk, chunk_tokens, compare, dense_causal_on_sample, naive_attention_on_sample, sample_tokens, sparse_attn_torch
+from bench.refs import (
+    _attend_chunk,
+    chunk_tokens,
+    compare,
+    dense_causal_on_sample,
+    naive_attention_on_sample,
+    sample_tokens,
+    sparse_attn_torch,
+)
 
 MIN_POOL_BYTES = 1 << 30  # physical pages scattered over >= 1 GiB: rotated sets do not share L2 lines
 
 
 def _op_decode(q, cache, topk_idx, block_table, seq_lens, k_scale, v_scale, sm_scale: float, kv_cache_dtype: str):
-    return torch.ops.mm3.sparse_attn_decode(q, cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
+    return torch.ops.mm3.sparse_attn_decode(
+        q, cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
+    )
 
 
-def _op_prefill(q, cache, topk_idx, block_table, cu_seqlens_q, seq_lens, k_scale, v_scale, sm_scale: float, kv_cache_dtype: str):
+def _op_prefill(
+    q, cache, topk_idx, block_table, cu_seqlens_q, seq_lens, k_scale, v_scale, sm_scale: float, kv_cache_dtype: str
+):
     return torch.ops.mm3.sparse_attn_prefill(
         q, cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
@@ -41,8 +53,9 @@ class _Family:
         self.expected = {}  # case key -> (sampled tokens, naive reference on them)
 
     def inputs(self, case):
-        return bench_inputs.make_attn_inputs(case, self.ctx.device, self.ctx.l2_bytes,
-                                             MIN_POOL_BYTES if self.ctx.cuda else 0, self.ctx.topk_share)  # fmt: skip
+        return bench_inputs.make_attn_inputs(
+            case, self.ctx.device, self.ctx.l2_bytes, MIN_POOL_BYTES if self.ctx.cuda else 0, self.ctx.topk_share
+        )
 
     def reference(self, inp):
         if inp.case.key not in self.expected:
@@ -83,7 +96,7 @@ class _Family:
                 try:
                     inp = self.inputs(case)
                     check = self.checker(inp)
-                except Exception as e:  # noqa: BLE001 -- inputs or the reference failed: one error row
+                except Exception as e:  # inputs or the reference failed: one error row
                     base = dict(family=self.name, shape=case.shape, dtype="bf16", kv_dtype=case.kv)
                     self.ctx._failed(dict(base, provider="(inputs/reference)"), ("launched",), e)
                     continue
@@ -106,13 +119,24 @@ class Decode(_Family):
 
     def op_fns(self, inp, fn):
         return [
-            lambda s=s: fn(s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, inp.k_scale, inp.v_scale,
-                           inp.sm_scale, inp.case.kv_cache_dtype)  # fmt: skip
+            lambda s=s: fn(
+                s["q"],
+                inp.cache,
+                s["topk_idx"],
+                s["block_table"],
+                inp.seq_lens,
+                inp.k_scale,
+                inp.v_scale,
+                inp.sm_scale,
+                inp.case.kv_cache_dtype,
+            )
             for s in inp.sets
         ]
 
     def _common(self, inp):
-        return dict(modes=("launched", "graph"), nbytes=inp.kv_bytes + inp.io_bytes, flops=inp.flops, ceiling_kind="copy")
+        return dict(
+            modes=("launched", "graph"), nbytes=inp.kv_bytes + inp.io_bytes, flops=inp.flops, ceiling_kind="copy"
+        )
 
     def ours(self, inp, check):
         base, kw = self.base(inp), self._common(inp)
@@ -146,15 +170,27 @@ class Prefill(_Family):
 
     def op_fns(self, inp, fn):
         return [
-            lambda s=s: fn(s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.cu_seqlens_q, inp.seq_lens,
-                           inp.k_scale, inp.v_scale, inp.sm_scale, inp.case.kv_cache_dtype)  # fmt: skip
+            lambda s=s: fn(
+                s["q"],
+                inp.cache,
+                s["topk_idx"],
+                s["block_table"],
+                inp.cu_seqlens_q,
+                inp.seq_lens,
+                inp.k_scale,
+                inp.v_scale,
+                inp.sm_scale,
+                inp.case.kv_cache_dtype,
+            )
             for s in inp.sets
         ]
 
     def ours(self, inp, check):
         base = self.base(inp)
         self.ctx.provider(base, "op", self.op_fns(inp, self.op), check, flops=inp.flops, ceiling_kind="matmul")
-        self.ctx.provider(base, "op_compiled", self.op_fns(inp, self.op_compiled), check, flops=inp.flops, ceiling_kind="matmul")
+        self.ctx.provider(
+            base, "op_compiled", self.op_fns(inp, self.op_compiled), check, flops=inp.flops, ceiling_kind="matmul"
+        )
 
     def baselines(self, inp, check):
         base = self.base(inp)
@@ -162,7 +198,7 @@ class Prefill(_Family):
         if inp.case.kv == "bf16":  # Flex and SDPA read bf16 K/V: their fp8-KV figures would be the bf16 rows
             try:
                 dense = _DenseContext(inp)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.ctx._failed(dict(base, provider="flex/sdpa inputs"), ("launched",), e)
             else:
                 self._sdpa(inp, base, dense)
@@ -179,8 +215,16 @@ class Prefill(_Family):
         compile_mask = self.ctx.cuda
 
         def make_mask():
-            return create_block_mask(dense.mask_mod, dense.B, case.Hkv, dense.Lq * dense.G, dense.S,
-                                     device=str(self.ctx.device), BLOCK_SIZE=128, _compile=compile_mask)  # fmt: skip
+            return create_block_mask(
+                dense.mask_mod,
+                dense.B,
+                case.Hkv,
+                dense.Lq * dense.G,
+                dense.S,
+                device=str(self.ctx.device),
+                BLOCK_SIZE=128,
+                _compile=compile_mask,
+            )
 
         def mask_check(block_mask):
             kept = float(block_mask.sparsity()) if hasattr(block_mask, "sparsity") else float("nan")
@@ -189,7 +233,7 @@ class Prefill(_Family):
         self.ctx.provider(base, "flex_create_block_mask", [make_mask], mask_check, note="per-step BlockMask build cost")
         try:
             block_mask = make_mask()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.ctx._failed(dict(base, provider="flex_attention"), ("launched",), e)
             return
 
@@ -197,19 +241,29 @@ class Prefill(_Family):
             out = self.flex(dense.q_flex, dense.k, dense.v, block_mask=block_mask, scale=inp.sm_scale)
             return dense.unflex(out)
 
-        self.ctx.provider(base, "flex_attention", [run_flex], check, flops=inp.flops, ceiling_kind="matmul",
-                          note="compiled flex_attention, BlockMask from the same top-k lists; excl. mask build")  # fmt: skip
+        self.ctx.provider(
+            base,
+            "flex_attention",
+            [run_flex],
+            check,
+            flops=inp.flops,
+            ceiling_kind="matmul",
+            note="compiled flex_attention, BlockMask from the same top-k lists; excl. mask build",
+        )
 
     def _sdpa(self, inp, base, dense):
         import torch.nn.functional as F
 
         case = inp.case
         tokens = sample_tokens(inp.pos.shape[0], 8 if self.ctx.cuda else 4, gen_seed=1)
-        expected = dense_causal_on_sample(inp.sets[0]["q"], dense.k, dense.v, tokens, case.q_lens, case.seq_lens, inp.sm_scale)
+        expected = dense_causal_on_sample(
+            inp.sets[0]["q"], dense.k, dense.v, tokens, case.q_lens, case.seq_lens, inp.sm_scale
+        )
         q_s = dense.q_sdpa
         k_s = dense.k.repeat_interleave(dense.G, dim=1)  # [B, Hq, S, D]: plain MHA for every backend
         v_s = dense.v.repeat_interleave(dense.G, dim=1)
         if dense.Lq == dense.S:
+
             def run_sdpa():
                 return dense.unsdpa(F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=inp.sm_scale))
         else:
@@ -224,8 +278,15 @@ class Prefill(_Family):
             ok, err = compare(out[tokens.to(out.device)], expected)
             return Check(ok, err, "vs dense causal reference")
 
-        self.ctx.provider(base, "sdpa_dense_causal", [run_sdpa], check, flops=bench_inputs.dense_causal_flops(case),
-                          ceiling_kind="matmul", note="flops = dense causal work it does (all keys j <= p)")  # fmt: skip
+        self.ctx.provider(
+            base,
+            "sdpa_dense_causal",
+            [run_sdpa],
+            check,
+            flops=bench_inputs.dense_causal_flops(case),
+            ceiling_kind="matmul",
+            note="flops = dense causal work it does (all keys j <= p)",
+        )
 
 
 class _DenseContext:

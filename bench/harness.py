@@ -14,10 +14,33 @@ import torch
 from bench.timing import Budget, Timer
 
 COLUMNS = [
-    "family", "shape", "provider", "mode", "graph_replay", "dtype", "kv_dtype", "ms", "us", "tflops", "gbps",
-    "pct_of_ceiling", "ceiling_kind", "flops", "bytes", "topk_share", "correct", "max_err", "n_sets", "note", "error",
-    "gpu", "torch", "triton", "python", "timestamp",
-]  # fmt: skip
+    "family",
+    "shape",
+    "provider",
+    "mode",
+    "graph_replay",
+    "dtype",
+    "kv_dtype",
+    "ms",
+    "us",
+    "tflops",
+    "gbps",
+    "pct_of_ceiling",
+    "ceiling_kind",
+    "flops",
+    "bytes",
+    "topk_share",
+    "correct",
+    "max_err",
+    "n_sets",
+    "note",
+    "error",
+    "gpu",
+    "torch",
+    "triton",
+    "python",
+    "timestamp",
+]
 
 
 def environment(device: torch.device) -> dict:
@@ -74,8 +97,11 @@ class Context:
         self.rows.append(row)
         status = row["error"] or ("ok" if row["correct"] in (True, "") else "WRONG")
         timing = f"{row['ms']:.4f} ms" if isinstance(row["ms"], float) else "-"
-        print(f"  {row['family']:8s} {row['shape']:26s} {row['kv_dtype']:5s} {row['provider']:24s} "
-              f"{row['mode']:8s} {timing:>14s} {self._rate(row):>16s}  {status[:80]}", flush=True)  # fmt: skip
+        print(
+            f"  {row['family']:8s} {row['shape']:26s} {row['kv_dtype']:5s} {row['provider']:24s} "
+            f"{row['mode']:8s} {timing:>14s} {self._rate(row):>16s}  {status[:80]}",
+            flush=True,
+        )
         return row
 
     @staticmethod
@@ -85,8 +111,19 @@ class Context:
             return f"{rate} {row['pct_of_ceiling']:.0f}%"
         return ""
 
-    def provider(self, base: dict, provider: str, fns, check, modes=("launched",), flops=None, nbytes=None,
-                 ceiling_kind="copy", slow=False, note=""):  # fmt: skip
+    def provider(
+        self,
+        base: dict,
+        provider: str,
+        fns,
+        check,
+        modes=("launched",),
+        flops=None,
+        nbytes=None,
+        ceiling_kind="copy",
+        slow=False,
+        note="",
+    ):
         """Check ``fns[0]()`` with ``check`` (-> Check), then time every mode; one row per mode."""
         row = dict(base, provider=provider, flops=flops, bytes=nbytes, ceiling_kind=ceiling_kind, n_sets=len(fns))
         if not self.cuda:
@@ -97,18 +134,25 @@ class Context:
             return
         try:
             verdict = check(fns[0]())
-        except Exception as e:  # noqa: BLE001 -- a broken provider is a row, not the end of the run
+        except Exception as e:  # a broken provider is a row, not the end of the run
             self._failed(row, modes, e)
             return
         notes = "; ".join(n for n in (note, verdict.note) if n)
         for mode in modes:
             try:
                 ms = self.timer.graph(fns) if mode == "graph" else self.timer.launched(fns, slow=slow)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._failed(dict(row, correct=verdict.ok, max_err=verdict.max_err), (mode,), e)
                 continue
-            self.record(**row, mode=mode, graph_replay=mode == "graph", correct=verdict.ok, max_err=verdict.max_err,
-                        note=notes, **self.rates(ms, flops, nbytes, ceiling_kind))  # fmt: skip
+            self.record(
+                **row,
+                mode=mode,
+                graph_replay=mode == "graph",
+                correct=verdict.ok,
+                max_err=verdict.max_err,
+                note=notes,
+                **self.rates(ms, flops, nbytes, ceiling_kind),
+            )
 
     def rates(self, ms: float, flops, nbytes, ceiling_kind: str) -> dict:
         out = {"ms": ms, "us": ms * 1e3}
@@ -125,7 +169,7 @@ class Context:
         if self.cuda:
             try:
                 torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 -- a sticky CUDA error: later rows will say so themselves
+            except Exception:  # a sticky CUDA error: later rows will say so themselves
                 pass
         message = f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
         print("    " + traceback.format_exc().strip().splitlines()[-1][:300], flush=True)

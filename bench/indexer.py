@@ -47,8 +47,14 @@ class IndexCase:
 def cases(ctx: Context) -> list[IndexCase]:
     if not ctx.cuda:
         return [IndexCase("tiny", 1, 2, 1, 600, topk=4), IndexCase("tiny", 2, 1, 160, 160, topk=2)]
-    out = [IndexCase("TP1", 4, 32, 1, 32768), IndexCase("TP1", 4, 1, 8192, 8192), IndexCase("TP8", 1, 32, 1, 32768),
-           IndexCase("TP1", 4, 128, 1, 32768), IndexCase("TP1", 4, 1, 1, 32768), IndexCase("TP1", 4, 4, 2048, 18432)]  # fmt: skip
+    out = [
+        IndexCase("TP1", 4, 32, 1, 32768),
+        IndexCase("TP1", 4, 1, 8192, 8192),
+        IndexCase("TP8", 1, 32, 1, 32768),
+        IndexCase("TP1", 4, 128, 1, 32768),
+        IndexCase("TP1", 4, 1, 1, 32768),
+        IndexCase("TP1", 4, 4, 2048, 18432),
+    ]
     return out[:2] if ctx.quick else out
 
 
@@ -57,14 +63,14 @@ def _op(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk: int):
 
 
 def _torch_chunk(q, k_cache, block_table, pos, topk: int):
-    """q [B, l, H, Di] (uniform requests), pos [B, l] -> int32 [B, H, l, topk] (-1 padded)."""
-    B, l, H, Di = q.shape
+    """q [B, n, H, Di] (n tokens of each uniform request), pos [B, n] -> int32 [B, H, n, topk] (-1 padded)."""
+    B, n_q, H, Di = q.shape
     n_blocks = block_table.shape[1]
     keys = k_cache[block_table.long()].reshape(B, n_blocks * PAGE, Di)  # [B, S, Di]
-    scores = torch.matmul(q.float().reshape(B, l * H, Di), keys.float().transpose(1, 2)).view(B, l, H, -1)
+    scores = torch.matmul(q.float().reshape(B, n_q * H, Di), keys.float().transpose(1, 2)).view(B, n_q, H, -1)
     key_pos = torch.arange(n_blocks * PAGE, device=q.device)
     scores = scores.masked_fill(key_pos > pos[:, :, None, None], float("-inf"))
-    block = scores.view(B, l, H, n_blocks, PAGE).amax(-1)  # [B, l, H, nblk]
+    block = scores.view(B, n_q, H, n_blocks, PAGE).amax(-1)  # [B, n_q, H, nblk]
     block = torch.where(torch.isnan(block), -1e30, block)
     own = (pos // PAGE)[:, :, None, None]
     blk = torch.arange(n_blocks, device=q.device)
@@ -80,8 +86,10 @@ def _torch_index_topk(chunk_fn, inp, s, chunk: int):
     B, L = inp.case.B, inp.case.q_len
     q = s["q"].view(B, L, inp.case.Hidx, DIDX)
     pos = inp.pos.view(B, L)
-    parts = [chunk_fn(q[:, a : a + chunk], inp.k_cache, s["block_table"], pos[:, a : a + chunk], inp.case.topk)
-             for a in range(0, L, chunk)]  # fmt: skip
+    parts = [
+        chunk_fn(q[:, a : a + chunk], inp.k_cache, s["block_table"], pos[:, a : a + chunk], inp.case.topk)
+        for a in range(0, L, chunk)
+    ]
     ids = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, L, topk]
     return ids.permute(1, 0, 2, 3).reshape(inp.case.Hidx, B * L, inp.case.topk)
 
@@ -136,51 +144,65 @@ def naive_on_sample(inp: IndexInputs, tokens: torch.Tensor) -> torch.Tensor:
     table = torch.arange(pages.numel(), dtype=torch.int32).view(pages.shape)
     n = tokens.shape[0]
     return call_by_name(
-        ref, index_q=s["q"][tokens.to(s["q"].device)].cpu(), index_k_cache=compact, block_table=table,
-        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32), seq_lens=(pos + 1).to(torch.int32), topk=case.topk,
-        init_blocks=0, local_blocks=LOCAL_BLOCKS,
-    ).cpu()  # fmt: skip
+        ref,
+        index_q=s["q"][tokens.to(s["q"].device)].cpu(),
+        index_k_cache=compact,
+        block_table=table,
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=(pos + 1).to(torch.int32),
+        topk=case.topk,
+        init_blocks=0,
+        local_blocks=LOCAL_BLOCKS,
+    ).cpu()
 
 
 def run(ctx: Context, passes=("ours", "baselines")) -> None:
-    op_compiled = ctx.compile(_op, dynamic=True)
-    chunk_compiled = ctx.compile(_torch_chunk, dynamic=True)
-    expected = {}
+    compiled = {"op": ctx.compile(_op, dynamic=True), "chunk": ctx.compile(_torch_chunk, dynamic=True)}
+    expected = {}  # case shape -> (sampled tokens, naive lists)
     for pass_name in passes:
         for case in cases(ctx):
             base = dict(family="indexer", shape=case.shape, dtype="bf16", kv_dtype="-")
             if ctx.budget.expired():
                 ctx.record(**base, provider=f"({pass_name})", mode="-", error="skipped: time budget")
                 continue
-            try:
-                inp = make_inputs(case, ctx)
-                if case.shape not in expected:
-                    tokens = sample_tokens(inp.pos.shape[0], 16 if ctx.cuda else 6, gen_seed=case.B)
-                    expected[case.shape] = (tokens, naive_on_sample(inp, tokens))
-            except Exception as e:  # noqa: BLE001
-                ctx._failed(dict(base, provider="(inputs/reference)"), ("launched",), e)
-                continue
-            tokens, ref = expected[case.shape]
-
-            def check(out, tokens=tokens, ref=ref):
-                got = out[:, tokens.to(out.device)].cpu()
-                match = (got == ref).all(-1).float().mean().item()
-                return Check(match >= MATCH_NEEDED, 1.0 - match, f"lists matching the naive reference: {match:.1%}")
-
-            decode = case.q_len == 1
-            kw = dict(modes=("launched", "graph") if decode else ("launched",), flops=inp.flops,
-                      nbytes=inp.nbytes if decode else None, ceiling_kind="copy" if decode else "matmul")  # fmt: skip
-            if pass_name == "ours":
-                for name, fn in (("op", _op), ("op_compiled", op_compiled)):
-                    fns = [lambda s=s, fn=fn: fn(s["q"], inp.k_cache, s["block_table"], inp.cu_seqlens_q, inp.seq_lens,
-                                                 case.topk) for s in inp.sets]  # fmt: skip
-                    ctx.provider(base, name, fns, check, **kw)
-            else:
-                budget_bytes = (512 << 20) if ctx.cuda else (16 << 20)
-                chunk = max(1, min(case.q_len, budget_bytes // (case.B * case.Hidx * case.seq_len * 4 * 2)))
-                for name, fn in (("torch_ref", _torch_chunk), ("torch_ref_compiled", chunk_compiled)):
-                    fns = [lambda s=s, fn=fn: _torch_index_topk(fn, inp, s, chunk) for s in inp.sets]
-                    ctx.provider(base, name, fns, check, slow=ctx.cuda and not decode, **kw)
-            del inp
+            _run_case(ctx, case, base, pass_name, compiled, expected)
             if ctx.cuda:
                 torch.cuda.empty_cache()
+
+
+def _run_case(ctx: Context, case: IndexCase, base: dict, pass_name: str, compiled: dict, expected: dict) -> None:
+    try:
+        inp = make_inputs(case, ctx)
+        if case.shape not in expected:
+            tokens = sample_tokens(inp.pos.shape[0], 16 if ctx.cuda else 6, gen_seed=case.B)
+            expected[case.shape] = (tokens, naive_on_sample(inp, tokens))
+    except Exception as e:  # inputs or the reference failed: one error row
+        ctx._failed(dict(base, provider="(inputs/reference)"), ("launched",), e)
+        return
+    tokens, ref = expected[case.shape]
+
+    def check(out):
+        got = out[:, tokens.to(out.device)].cpu()
+        match = (got == ref).all(-1).float().mean().item()
+        return Check(match >= MATCH_NEEDED, 1.0 - match, f"lists equal to the naive reference: {match:.1%}")
+
+    decode = case.q_len == 1
+    kw = dict(
+        modes=("launched", "graph") if decode else ("launched",),
+        flops=inp.flops,
+        nbytes=inp.nbytes if decode else None,
+        ceiling_kind="copy" if decode else "matmul",
+    )
+    if pass_name == "ours":
+        for name, fn in (("op", _op), ("op_compiled", compiled["op"])):
+            fns = [
+                lambda s=s, fn=fn: fn(s["q"], inp.k_cache, s["block_table"], inp.cu_seqlens_q, inp.seq_lens, case.topk)
+                for s in inp.sets
+            ]
+            ctx.provider(base, name, fns, check, **kw)
+    else:
+        budget_bytes = (512 << 20) if ctx.cuda else (16 << 20)
+        chunk = max(1, min(case.q_len, budget_bytes // (case.B * case.Hidx * case.seq_len * 4 * 2)))
+        for name, fn in (("torch_ref", _torch_chunk), ("torch_ref_compiled", compiled["chunk"])):
+            fns = [lambda s=s, fn=fn: _torch_index_topk(fn, inp, s, chunk) for s in inp.sets]
+            ctx.provider(base, name, fns, check, slow=ctx.cuda and not decode, **kw)

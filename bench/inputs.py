@@ -59,7 +59,10 @@ def seeded(key: str, device: torch.device) -> torch.Generator:
 def decode_cases(cpu: bool, quick: bool) -> list[AttnCase]:
     """Target-relevant cases first: a run that hits its time budget loses the least important rows."""
     if cpu:
-        return [AttnCase("decode", "tiny", 4, 1, 128, (1,) * B, (600,) * B, kv, topk=4) for B, kv in ((2, "bf16"), (1, "fp8"))]
+        return [
+            AttnCase("decode", "tiny", 4, 1, 128, (1,) * B, (600,) * B, kv, topk=4)
+            for B, kv in ((2, "bf16"), (1, "fp8"))
+        ]
     tps = (("TP1", 64, 4), ("TP8", 8, 1))
     shapes = [(32, 32768), (128, 32768), (1, 32768), (32, 131072)]
     if quick:
@@ -91,8 +94,10 @@ def prefill_cases(cpu: bool, quick: bool) -> list[AttnCase]:
         for tp, (q_lens, seq_lens) in order
     ]
     if not quick:
-        cases += [AttnCase("prefill", tp, *heads[tp], 128, *one, kv, share=64) for tp, kv in
-                  (("TP1", "bf16"), ("TP8", "bf16"), ("TP1", "fp8"))]  # fmt: skip
+        cases += [
+            AttnCase("prefill", tp, *heads[tp], 128, *one, kv, share=64)
+            for tp, kv in (("TP1", "bf16"), ("TP8", "bf16"), ("TP1", "fp8"))
+        ]
     return cases
 
 
@@ -209,8 +214,20 @@ def make_attn_inputs(case: AttnCase, device, l2_bytes: int, min_pool_bytes: int,
     sets = [first] + [one_set() for _ in range(n_sets - 1)]
     scale = torch.tensor([FP8_KV_SCALE], dtype=torch.float32, device=device) if case.kv == "fp8" else None
     return AttnInputs(
-        case, cache, storage_dtype, scale, None if scale is None else scale.clone(), seq_lens, cu, req, pos, sets,
-        1.0 / math.sqrt(case.D), flops, kv_bytes, io_bytes,
+        case,
+        cache,
+        storage_dtype,
+        scale,
+        None if scale is None else scale.clone(),
+        seq_lens,
+        cu,
+        req,
+        pos,
+        sets,
+        1.0 / math.sqrt(case.D),
+        flops,
+        kv_bytes,
+        io_bytes,
     )
 
 

@@ -33,7 +33,7 @@ def _compare(out, expected) -> Check:
     v_bad = (values.view(torch.uint8) != exp_values.view(torch.uint8)).float().mean().item()
     s_bad = (scales.view(torch.uint8) != exp_scales.view(torch.uint8)).float().mean().item()
     ok = v_bad <= MISMATCH_LIMIT and s_bad <= MISMATCH_LIMIT
-    return Check(ok, v_bad, f"bytes differing: values {v_bad:.2e}, scales {s_bad:.2e}")
+    return Check(ok, v_bad, f"differing bytes: values {v_bad:.1e}, scales {s_bad:.1e}")
 
 
 def run(ctx: Context, passes=("ours", "baselines")) -> None:
@@ -60,15 +60,25 @@ def run(ctx: Context, passes=("ours", "baselines")) -> None:
             set_bytes = M * 2 * inter * 2 + M * inter + M * inter // 32
             n_sets = 1 if not ctx.cuda else max(1, min(64, math.ceil(4 * ctx.l2_bytes / set_bytes)))
             gen = torch.Generator(device=device).manual_seed(M)
-            sets = [2.0 * torch.randn((M, 2 * inter), dtype=torch.bfloat16, device=device, generator=gen) for _ in range(n_sets)]
+            sets = [
+                2.0 * torch.randn((M, 2 * inter), dtype=torch.bfloat16, device=device, generator=gen)
+                for _ in range(n_sets)
+            ]
             if M not in expected_cache:
                 expected_cache[M] = reference(sets[0])
             expected = expected_cache[M]
             base = dict(family="quant", shape=f"M{M} x {2 * inter}", dtype="bf16", kv_dtype="-")
             for name, fn in providers[pass_name]:
                 fns = [lambda x=x, fn=fn: fn(x) for x in sets]
-                ctx.provider(base, name, fns, lambda out: _compare(out, expected), modes=("launched", "graph"),
-                             nbytes=set_bytes, ceiling_kind="copy")  # fmt: skip
+                ctx.provider(
+                    base,
+                    name,
+                    fns,
+                    lambda out: _compare(out, expected),
+                    modes=("launched", "graph"),
+                    nbytes=set_bytes,
+                    ceiling_kind="copy",
+                )
             del sets
         if ctx.cuda:
             torch.cuda.empty_cache()

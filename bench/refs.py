@@ -30,8 +30,11 @@ def find_function(module_name: str, preferred: tuple[str, ...], must_contain: tu
     found = [
         f
         for n, f in vars(module).items()
-        if inspect.isfunction(f) and f.__module__ == module.__name__ and not n.startswith("_")
-        and all(m in n for m in must_contain) and not any(a in n for a in avoid)
+        if inspect.isfunction(f)
+        and f.__module__ == module.__name__
+        and not n.startswith("_")
+        and all(m in n for m in must_contain)
+        and not any(a in n for a in avoid)
     ]
     if len(found) != 1:
         raise LookupError(f"{module_name}: no unique reference among {[f.__name__ for f in found]} for {preferred}")
@@ -58,8 +61,9 @@ def sample_tokens(T: int, n: int, gen_seed: int = 0) -> torch.Tensor:
 
 def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tensor:
     """float32 [n, Hq, D] (CPU) from the repo's naive reference for the sampled tokens of set ``s``."""
-    ref = find_function("mm3_compile.kernels.sparse_attn.naive", ("sparse_attn_ref", "sparse_attn_prefill_ref"), ("ref",), ("decode",))
-    case = inp.case
+    ref = find_function(
+        "mm3_compile.kernels.sparse_attn.naive", ("sparse_attn_ref", "sparse_attn_prefill_ref"), ("ref",), ("decode",)
+    )
     ids = s["topk_idx"][:, tokens.to(s["topk_idx"].device)].long().cpu()  # [Hkv, n, T]
     pos = inp.pos.cpu()[tokens]
     req = inp.req.cpu()[tokens]
@@ -85,11 +89,23 @@ def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tenso
     seq = (pos + 1).to(torch.int32)
     k_scale = None if inp.k_scale is None else inp.k_scale.cpu()
     v_scale = None if inp.v_scale is None else inp.v_scale.cpu()
-    return call_by_name(
-        ref, q=s["q"][tokens.to(s["q"].device)].cpu(), kv_cache=compact, topk_idx=ids.to(torch.int32), block_table=sub_table,
-        cu_seqlens_q=cu, seq_lens=seq, sm_scale=inp.sm_scale, storage_dtype=inp.storage_dtype, k_scale=k_scale,
-        v_scale=v_scale,
-    ).float().cpu()
+    return (
+        call_by_name(
+            ref,
+            q=s["q"][tokens.to(s["q"].device)].cpu(),
+            kv_cache=compact,
+            topk_idx=ids.to(torch.int32),
+            block_table=sub_table,
+            cu_seqlens_q=cu,
+            seq_lens=seq,
+            sm_scale=inp.sm_scale,
+            storage_dtype=inp.storage_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        .float()
+        .cpu()
+    )
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
@@ -151,10 +167,23 @@ def sparse_attn_torch(attend, inp, s: dict, chunk: int) -> torch.Tensor:
     tok_seq = inp.seq_lens.long()[inp.req]
     T = q.shape[0]
     if T <= chunk:
-        return attend(q, cache, inp.k_scale, inp.v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale, inp.storage_dtype)
+        return attend(
+            q, cache, inp.k_scale, inp.v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale, inp.storage_dtype
+        )
     outs = [
-        attend(q[a : a + chunk], cache, inp.k_scale, inp.v_scale, ids[:, a : a + chunk], table, inp.req[a : a + chunk],
-               inp.pos[a : a + chunk], tok_seq[a : a + chunk], inp.sm_scale, inp.storage_dtype)  # fmt: skip
+        attend(
+            q[a : a + chunk],
+            cache,
+            inp.k_scale,
+            inp.v_scale,
+            ids[:, a : a + chunk],
+            table,
+            inp.req[a : a + chunk],
+            inp.pos[a : a + chunk],
+            tok_seq[a : a + chunk],
+            inp.sm_scale,
+            inp.storage_dtype,
+        )
         for a in range(0, T, chunk)
     ]
     return torch.cat(outs)

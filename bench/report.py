@@ -52,24 +52,41 @@ def _as_float(v):
 def markdown_table(rows: list[dict]) -> str:
     rows = [_typed(r) for r in rows]
     env = next((r for r in rows if r.get("gpu")), {})
-    out = [f"Measured on {env.get('gpu', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
-           f"{env.get('timestamp', '?')}); `launched` = Python-launched `do_bench` median, `graph` = CUDA-graph "
-           "replay per call; % is of the same run's ceiling (copy GB/s or bf16 matmul TFLOP/s).", ""]  # fmt: skip
+    out = [
+        f"Measured on {env.get('gpu', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
+        f"{env.get('timestamp', '?')}); `launched` = Python-launched `do_bench` median, `graph` = CUDA-graph "
+        "replay per call; % is of the same run's ceiling (copy GB/s or bf16 matmul TFLOP/s).",
+        "",
+    ]
     ceilings = [r for r in rows if r["family"] == "ceiling"]
     if ceilings:
-        out.append("Ceilings: " + "; ".join(f"{r['provider']} {_num(r.get('gbps') or r.get('tflops'))} "
-                                            f"{'GB/s' if r.get('gbps') else 'TFLOP/s'}" for r in ceilings) + "")  # fmt: skip
+        out.append(
+            "Ceilings: "
+            + "; ".join(
+                f"{r['provider']} {_num(r.get('gbps') or r.get('tflops'))} {'GB/s' if r.get('gbps') else 'TFLOP/s'}"
+                for r in ceilings
+            )
+            + ""
+        )
         out.append("")
     out.append("| family | shape | KV | provider | mode | ms | µs | TFLOP/s | GB/s | % ceiling | correct | note |")
     out.append("|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|")
-    for r in sorted((r for r in rows if r["family"] != "ceiling"), key=_order):
+    first_seen = {}
+    for i, r in enumerate(rows):
+        first_seen.setdefault((r["family"], r["shape"], r["kv_dtype"]), i)
+
+    def order(r):  # families in a fixed order, shapes in run order, providers in run order (stable sort)
+        fam = FAMILY_ORDER.index(r["family"]) if r["family"] in FAMILY_ORDER else 99
+        return (fam, first_seen[(r["family"], r["shape"], r["kv_dtype"])])
+
+    for r in sorted((r for r in rows if r["family"] != "ceiling"), key=order):
         correct = {True: "yes", False: "**NO**"}.get(r.get("correct"), "")
         note = r.get("error") or r.get("note") or ""
         note = note.replace("|", "/")[:90]
         out.append(
-            f"| {r['family']} | {r['shape']} | {r['kv_dtype']} | {r['provider']} | {r['mode']} | {_num(r.get('ms'), 3)} | "
-            f"{_num(r.get('us'))} | {_num(r.get('tflops'))} | {_num(r.get('gbps'))} | {_num(r.get('pct_of_ceiling'))} | "
-            f"{correct} | {note} |"
+            f"| {r['family']} | {r['shape']} | {r['kv_dtype']} | {r['provider']} | {r['mode']} | "
+            f"{_num(r.get('ms'), 3)} | {_num(r.get('us'))} | {_num(r.get('tflops'))} | {_num(r.get('gbps'))} | "
+            f"{_num(r.get('pct_of_ceiling'))} | {correct} | {note} |"
         )
     return "\n".join(out) + "\n"
 
@@ -84,18 +101,21 @@ def _typed(r: dict) -> dict:
     return r
 
 
-def _order(r):
-    fam = FAMILY_ORDER.index(r["family"]) if r["family"] in FAMILY_ORDER else 99
-    return (fam, r["shape"], r["kv_dtype"])  # stable sort keeps the run's provider order inside a shape
-
-
 def update_readme(table: str, readme: str) -> None:
-    text = open(readme).read() if os.path.exists(readme) else ""
+    text = ""
+    if os.path.exists(readme):
+        with open(readme) as f:
+            text = f.read()
     block = f"{README_START}\n{table}{README_END}"
     if README_START in text and README_END in text:
-        text = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: block, text, flags=re.S)
+        text = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: block, text, flags=re.DOTALL)
     else:
-        text = text.rstrip("\n") + "\n\n## Benchmarks (H200)\n\n`python bench/run.py` regenerates this section.\n\n" + block + "\n"
+        text = (
+            text.rstrip("\n")
+            + "\n\n## Benchmarks (H200)\n\n`python bench/run.py` regenerates this section.\n\n"
+            + block
+            + "\n"
+        )
     with open(readme, "w") as f:
         f.write(text)
 
@@ -198,17 +218,27 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
 
     dec = [r for r in _ok_rows(rows, family="decode", mode="graph", provider=OURS) if "share" not in r["shape"]]
     bf16 = _best_per_shape([r for r in dec if r["kv_dtype"] == "bf16" and _batch(r["shape"]) >= 32])
-    verdict("decode bf16 KV, B>=32, TP1+TP8 (graph)", ">= 85% of copy", bf16, lambda r: r["pct_of_ceiling"] or 0,
-            lambda r: (r["pct_of_ceiling"] or 0) >= 85)  # fmt: skip
+    verdict(
+        "decode bf16 KV, B>=32, TP1+TP8 (graph)",
+        ">= 85% of copy",
+        bf16,
+        lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= 85,
+    )
     fp8 = _best_per_shape([r for r in dec if r["kv_dtype"] == "fp8" and _batch(r["shape"]) >= 32])
     speedups = []
     for r in fp8:
         twin = [b for b in bf16 if b["shape"] == r["shape"]]
         if twin:
             speedups.append(f"{r['shape']}: {twin[0]['ms'] / r['ms']:.2f}x vs bf16")
-    verdict("decode fp8 KV, B>=32 (graph)", ">= 80% of copy on fp8 bytes (~1.8x bf16)", fp8,
-            lambda r: r["pct_of_ceiling"] or 0, lambda r: (r["pct_of_ceiling"] or 0) >= 80,
-            (" | " + ", ".join(speedups)) if speedups else "")  # fmt: skip
+    verdict(
+        "decode fp8 KV, B>=32 (graph)",
+        ">= 80% of copy on fp8 bytes (~1.8x bf16)",
+        fp8,
+        lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= 80,
+        (" | " + ", ".join(speedups)) if speedups else "",
+    )
     b1 = _best_per_shape([r for r in dec if _batch(r["shape"]) == 1 and "s32768" in r["shape"]])
     verdict("decode B=1 seq 32768 (graph)", "<= 6 us per step", b1, lambda r: -r["us"], lambda r: r["us"] <= 6.0)
 
@@ -217,7 +247,13 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     tp1 = _best_per_shape([r for r in pre if r["kv_dtype"] == "bf16" and r["shape"] == "TP1 1x8192"])
     verdict("prefill bf16 TP1 1x8192", ">= 245 TFLOP/s", tp1, lambda r: r["tflops"], lambda r: r["tflops"] >= 245)
     tp8 = _best_per_shape([r for r in pre if r["kv_dtype"] == "bf16" and r["shape"].startswith("TP8")])
-    verdict("prefill bf16 TP8 1x8192 and 4x2048+16k", ">= 130 TFLOP/s", tp8, lambda r: r["tflops"], lambda r: r["tflops"] >= 130)
+    verdict(
+        "prefill bf16 TP8 1x8192 and 4x2048+16k",
+        ">= 130 TFLOP/s",
+        tp8,
+        lambda r: r["tflops"],
+        lambda r: r["tflops"] >= 130,
+    )
     best_pre = _best_per_shape(pre)
     pairs = []
     for r in best_pre:
@@ -225,8 +261,13 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
             twin = [b for b in best_pre if b["kv_dtype"] == "bf16" and b["shape"] == r["shape"]]
             if twin:
                 pairs.append(dict(r, ratio=twin[0]["ms"] / r["ms"]))
-    verdict("prefill fp8 KV", "at least as fast as bf16 KV (ratio bf16_ms/fp8_ms >= 1)", pairs,
-            lambda r: r["ratio"], lambda r: r["ratio"] >= 1.0)  # fmt: skip
+    verdict(
+        "prefill fp8 KV",
+        "at least as fast as bf16 KV (ratio bf16_ms/fp8_ms >= 1)",
+        pairs,
+        lambda r: r["ratio"],
+        lambda r: r["ratio"] >= 1.0,
+    )
 
     quant = _ok_rows(rows, family="quant", mode="graph")
     big = [r for r in quant if int(re.search(r"M(\d+)", r["shape"]).group(1)) >= 4096]
@@ -234,11 +275,21 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     for r in ours_q:
         base = [b for b in big if b["shape"] == r["shape"] and b["provider"].startswith("ref_compiled")]
         r["ratio"] = base[0]["ms"] / r["ms"] if base else None
-    verdict("fused SwiGLU-OAI+MXFP8, M>=4096 (graph)", ">= 85% of copy and >= 1.3x Inductor's fusion", ours_q,
-            lambda r: r["pct_of_ceiling"] or 0,
-            lambda r: (r["pct_of_ceiling"] or 0) >= 85 and (r["ratio"] or 0) >= 1.3)  # fmt: skip
-    results.append(("compiled decoder layer step", "<= 0.5x eager; cold compile <= 60 s, warm <= 5 s",
-                    "not measured by bench/ (model-layer tests)", "N/A"))  # fmt: skip
+    verdict(
+        "fused SwiGLU-OAI+MXFP8, M>=4096 (graph)",
+        ">= 85% of copy and >= 1.3x Inductor's fusion",
+        ours_q,
+        lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= 85 and (r["ratio"] or 0) >= 1.3,
+    )
+    results.append(
+        (
+            "compiled decoder layer step",
+            "<= 0.5x eager; cold compile <= 60 s, warm <= 5 s",
+            "not measured by bench/ (model-layer tests)",
+            "N/A",
+        )
+    )
     return results
 
 

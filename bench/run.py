@@ -23,15 +23,26 @@ SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0, "indexer": 1.0}  # of the
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing: a smoke run")
-    p.add_argument("--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)")
+    p.add_argument(
+        "--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)"
+    )
     p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer")
     p.add_argument("--out", default=None, help="output folder (default bench/results, bench/results/cpu with --cpu)")
-    p.add_argument("--readme", default=None,
-                   help="README whose bench section is rewritten (default README.md; --cpu touches none unless given)")
+    p.add_argument(
+        "--readme",
+        default=None,
+        help="README whose bench section is rewritten (default README.md; --cpu touches none unless given)",
+    )
     p.add_argument("--no-readme", action="store_true", help="do not touch the README")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for the families (default 380, quick 150)")
-    p.add_argument("--topk-share", type=int, default=1,
-                   help="consecutive query tokens sharing their random older blocks (1 = independent, worst case)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="wall-clock budget for the families (default 380, quick 150)"
+    )
+    p.add_argument(
+        "--topk-share",
+        type=int,
+        default=1,
+        help="consecutive query tokens sharing their random older blocks (1 = independent, worst case)",
+    )
     p.add_argument("--readme-table", metavar="CSV", help="only regenerate table.md + the README section from CSV")
     args = p.parse_args(argv)
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -71,7 +82,10 @@ def _alias_repo_folders() -> None:
     import importlib.abc
     import importlib.machinery
 
-    folders = {"mm3_compile.kernels": os.path.join(REPO, "kernels"), "mm3_compile.lowerings": os.path.join(REPO, "lowerings")}
+    folders = {
+        "mm3_compile.kernels": os.path.join(REPO, "kernels"),
+        "mm3_compile.lowerings": os.path.join(REPO, "lowerings"),
+    }
 
     class RepoFolders(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path=None, target=None):
@@ -92,14 +106,23 @@ def _alias_repo_folders() -> None:
 
 
 def measure_ceilings(ctx) -> None:
+    """This run's copy GB/s (bytes read + written) and bf16 matmul TFLOP/s: every % is against them."""
+    import torch
+
+    copy_bytes, n = ((2 << 30), 8192) if ctx.cuda else ((16 << 20), 256)  # GPU: 2 GiB read + 2 GiB written
+    ctx.ceilings["copy"] = _copy_ceiling(ctx, copy_bytes)
+    ctx.ceilings["matmul"] = _matmul_ceiling(ctx, n)
+    for row in ctx.rows:  # the ceilings are 100% of themselves by definition; keep the column filled
+        row["pct_of_ceiling"] = 100.0 if row.get("ms") not in ("", None) else ""
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+def _copy_ceiling(ctx, copy_bytes: int) -> float | None:
     import torch
 
     from bench.harness import Check
 
-    if ctx.cuda:
-        copy_bytes, n = 2 << 30, 8192  # 2 GiB read + 2 GiB written
-    else:
-        copy_bytes, n = 16 << 20, 256
     src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device=ctx.device)
     dst = torch.empty_like(src)
     base = dict(family="ceiling", shape=f"{2 * copy_bytes / 2**30:g} GiB moved", dtype="bf16", kv_dtype="-")
@@ -108,24 +131,25 @@ def measure_ceilings(ctx) -> None:
         return Check(bool(torch.equal(dst[:4096], src[:4096])))
 
     ctx.provider(base, "copy", [lambda: dst.copy_(src)], copy_check, nbytes=2 * copy_bytes, ceiling_kind="copy")
-    ctx.ceilings["copy"] = ctx.rows[-1].get("gbps") or None
-    del src, dst
+    return ctx.rows[-1].get("gbps") or None
+
+
+def _matmul_ceiling(ctx, n: int) -> float | None:
+    import torch
+
+    from bench.harness import Check
+
     a = torch.randn((n, n), dtype=torch.bfloat16, device=ctx.device)
     b = torch.randn((n, n), dtype=torch.bfloat16, device=ctx.device)
     c = torch.empty((n, n), dtype=torch.bfloat16, device=ctx.device)
 
     def mm_check(_):
-        rows = slice(0, 64)
-        ref = a[rows].float() @ b.float()
-        return Check(bool(torch.allclose(c[rows].float(), ref, atol=0.5, rtol=2e-2)))
+        ref = a[:64].float() @ b.float()
+        return Check(bool(torch.allclose(c[:64].float(), ref, atol=0.5, rtol=2e-2)))
 
     base = dict(family="ceiling", shape=f"{n}^3 matmul", dtype="bf16", kv_dtype="-")
     ctx.provider(base, "matmul", [lambda: torch.mm(a, b, out=c)], mm_check, flops=2 * n**3, ceiling_kind="matmul")
-    ctx.ceilings["matmul"] = ctx.rows[-1].get("tflops") or None
-    for row in ctx.rows:  # the ceilings are 100% of themselves by definition; keep the column filled
-        row["pct_of_ceiling"] = 100.0 if row.get("ms") not in ("", None) else ""
-    if ctx.cuda:
-        torch.cuda.empty_cache()
+    return ctx.rows[-1].get("tflops") or None
 
 
 def write_outputs(rows, out_dir: str, readme: str | None) -> None:
@@ -183,21 +207,28 @@ def main(argv=None) -> int:
     budget_s = args.budget_s if args.budget_s is not None else (150 if args.quick else 380)
     budget = Budget(budget_s, {f: SHARES[f] for f in args.families})
     ctx = Context(device, args.quick or args.cpu, budget, share=args.topk_share)
-    print(f"device {ctx.env['gpu']}, torch {ctx.env['torch']}, triton {ctx.env['triton']}; budget {budget_s:.0f} s", flush=True)
+    print(
+        f"device {ctx.env['gpu']}, torch {ctx.env['torch']}, triton {ctx.env['triton']}; budget {budget_s:.0f} s",
+        flush=True,
+    )
     t0 = time.monotonic()
     measure_ceilings(ctx)
     print(f"ceilings: copy {ctx.ceilings.get('copy')} GB/s, matmul {ctx.ceilings.get('matmul')} TFLOP/s", flush=True)
     from bench import attention, indexer, quant
 
-    runners = {"quant": lambda: quant.run(ctx), "decode": lambda: attention.Decode(ctx).run(),
-               "prefill": lambda: attention.Prefill(ctx).run(), "indexer": lambda: indexer.run(ctx)}  # fmt: skip
+    runners = {
+        "quant": lambda: quant.run(ctx),
+        "decode": lambda: attention.Decode(ctx).run(),
+        "prefill": lambda: attention.Prefill(ctx).run(),
+        "indexer": lambda: indexer.run(ctx),
+    }
     for family in args.families:
         budget.begin(family)
         started = time.monotonic()
         print(f"== {family} (deadline in {budget.deadline - started:.0f} s)", flush=True)
         try:
             runners[family]()
-        except Exception as e:  # noqa: BLE001 -- keep what the other families measured
+        except Exception as e:  # keep what the other families measured
             ctx._failed(dict(family=family, shape="-", dtype="-", kv_dtype="-", provider="(family)"), ("-",), e)
         print(f"== {family} took {time.monotonic() - started:.1f} s", flush=True)
     print(f"all families: {time.monotonic() - t0:.1f} s", flush=True)

@@ -12,18 +12,38 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench import inputs as bench_inputs  # noqa: E402
+from bench import inputs as bench_inputs  # noqa: E402  (bench/ is not a package on sys.path)
 from bench import report  # noqa: E402
 
 EXPECTED_COLUMNS = {
-    "family", "shape", "provider", "dtype", "kv_dtype", "ms", "tflops", "gbps", "pct_of_ceiling", "ceiling_kind",
-    "graph_replay", "correct", "torch", "triton", "gpu",
-}  # fmt: skip
+    "family",
+    "shape",
+    "provider",
+    "dtype",
+    "kv_dtype",
+    "ms",
+    "tflops",
+    "gbps",
+    "pct_of_ceiling",
+    "ceiling_kind",
+    "graph_replay",
+    "correct",
+    "torch",
+    "triton",
+    "gpu",
+}
 EXPECTED_PROVIDERS = {
     "quant": {"op", "op_compiled", "ref", "ref_compiled(inductor)"},
     "decode": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
-    "prefill": {"op", "op_compiled", "torch_ref", "torch_ref_compiled", "flex_create_block_mask", "flex_attention",
-                "sdpa_dense_causal"},  # fmt: skip
+    "prefill": {
+        "op",
+        "op_compiled",
+        "torch_ref",
+        "torch_ref_compiled",
+        "flex_create_block_mask",
+        "flex_attention",
+        "sdpa_dense_causal",
+    },
     "indexer": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
 }
 
@@ -36,8 +56,13 @@ def cpu_run(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "bench", "run.py"), "--cpu", "--out", str(out), "--readme", str(readme)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -61,28 +86,53 @@ def test_cpu_run_writes_every_family_and_provider(cpu_run):
     assert set(ceilings) == {"copy", "matmul"} and float(ceilings["copy"]["gbps"]) > 0
     for r in rows:  # every rate is relative to this run's own ceilings
         if r["family"] == "decode":
-            assert float(r["pct_of_ceiling"]) == pytest.approx(100 * float(r["gbps"]) / float(ceilings["copy"]["gbps"]), rel=1e-3)
+            assert float(r["pct_of_ceiling"]) == pytest.approx(
+                100 * float(r["gbps"]) / float(ceilings["copy"]["gbps"]), rel=1e-3
+            )
     assert (out / "table.md").read_text().count("\n| ") == len([r for r in rows if r["family"] != "ceiling"]) + 1
     targets = (out / "targets.md").read_text()
     assert "TARGETS" in stdout and stdout.rstrip().endswith(targets.rstrip().splitlines()[-1])
 
 
 def test_readme_section_is_replaced_in_place(cpu_run):
-    out, readme, rows, _ = cpu_run
+    out, readme, _rows, _ = cpu_run
     text = readme.read_text()
     assert text.startswith("# project\n\nintro text\n")
     assert text.count(report.README_START) == 1 and text.count(report.README_END) == 1
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "run.py"), "--readme-table", str(out / "results.csv"), "--readme", str(readme)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(REPO, "bench", "run.py"),
+            "--readme-table",
+            str(out / "results.csv"),
+            "--readme",
+            str(readme),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert readme.read_text() == text  # regenerating from the same CSV changes nothing
 
 
 def _row(**kw):
-    row = dict(family="decode", shape="TP1 B32 s32768", provider="op", mode="graph", kv_dtype="bf16", ms=1.0, us=1000.0,
-               tflops=None, gbps=None, pct_of_ceiling=None, correct=True, error="")  # fmt: skip
+    row = dict(
+        family="decode",
+        shape="TP1 B32 s32768",
+        provider="op",
+        mode="graph",
+        kv_dtype="bf16",
+        ms=1.0,
+        us=1000.0,
+        tflops=None,
+        gbps=None,
+        pct_of_ceiling=None,
+        correct=True,
+        error="",
+    )
     row.update(kw)
     return row
 
