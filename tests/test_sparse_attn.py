@@ -138,6 +138,8 @@ def build(
                     junk = torch.tensor([-1, own + 1, -5, 10**6, own + 40, own], dtype=torch.int32)  # own: a repeat
                     slot = int(torch.randint(1, n, (1,), generator=gen))
                     topk[t, h, slot] = junk[int(torch.randint(0, len(junk), (1,), generator=gen))]
+                    if i == 0 and h == Hkv - 1 and n >= 4:  # block 0 listed twice (next to block 1) counts once
+                        topk[t, h, n - 3 :] = torch.tensor([1, 0, 0], dtype=torch.int32)
     if corrupt:
         topk[0, 0, :] = -1  # a row with no valid slot at all: zeros, not NaN
     topk_idx = topk.to(device).transpose(0, 1)  # [Hkv, total_q, T] view
@@ -236,19 +238,20 @@ def test_decode_matches_reference(model_dtype, layout, D, Hkv, G, device):
     assert_close(out, ref, model_dtype, "decode")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 4])
-def test_decode_split_counts(num_splits, device):
-    """Any split count merges to the same answer, including splits that own no slot (3 splits of 4 slots)."""
-    case = build(device, [(400, 1), (0, 1), (200, 1)], D=64, Hkv=1, G=4, T=4)
+@pytest.mark.parametrize("num_splits, block_q, q_per_req", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (2, 4, 2), (3, 2, 3)])
+def test_decode_split_counts(num_splits, block_q, q_per_req, device):
+    """Any split count merges to the same answer, including splits that own no block (3 splits of 4
+    slots); token tiles (block_q > 1) split the union of their blocks and may straddle requests."""
+    case = build(device, [(400, q_per_req), (0, q_per_req), (200, q_per_req)], D=64, Hkv=1, G=4, T=4)
     view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
     with eager_launches():
         out = decode_kernels.sparse_attn_decode(
             case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
-            num_splits=num_splits,
+            num_splits=num_splits, block_q=block_q,
         )  # fmt: skip
-    assert (out[1] == 0).all()
+    assert (out[q_per_req : 2 * q_per_req] == 0).all()
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
-    assert_close(out, ref, torch.bfloat16, f"{num_splits} splits")
+    assert_close(out, ref, torch.bfloat16, f"{num_splits} splits, {block_q} tokens per program")
 
 
 def test_split_plan_uses_shapes_only():

@@ -3,21 +3,26 @@
 One program owns ``BLOCK_Q`` consecutive query tokens and one KV head; its rows are the (token,
 query head) pairs of that KV head, ``BLOCK_M = BLOCK_Q x BLOCK_H`` rows of a ``[BLOCK_M, D]`` q
 tile (``BLOCK_H = pow2(G)``, padded so BLOCK_M >= 16 for ``tl.dot``; padded rows load q = 0 and
-are never written).  Prefill uses BLOCK_Q = 128 / pow2(G) (capped at 16) so neighbouring tokens,
-whose top-k lists overlap (own and local blocks, similar scores), share every K/V tile load and
-the dots get M = 128; decode uses BLOCK_Q = 1 and splits the work over several programs.
+are never written).  Each selected 128-token block costs one ``[BLOCK_M, D] x [D, 128]`` and one
+``[BLOCK_M, 128] x [128, D]`` dot (``_attend_block``).
 
-Each token's valid list entries become (request, logical block) keys; the program walks the
-distinct keys of the whole tile in ascending order (a min-reduction finds the next one, so each
-block is loaded exactly once per tile and a block listed twice counts once) and, per key, maps
-the block to its page through that request's block table and does one ``[BLOCK_M, D] x [D, 128]``
-and one ``[BLOCK_M, 128] x [128, D]`` dot; rows whose list does not name the block are masked.
-A tile may span requests (keys carry the request).  Validity is position-derived (slots
-``[0, min(T, p // 128 + 1))``), and an id that is negative, beyond ``p // 128`` or beyond the block
-table, or whose page is outside the cache, is skipped through load masks: nothing out of bounds is
-ever dereferenced, whatever the caller passes.  Decode's split c walks distinct keys
-``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (the last split: the rest) and writes a
-normalised partial + log2-sum-exp for ``merge_splits_kernel``.
+* BLOCK_Q > 1 (prefill: 128 / pow2(G) tokens, at most 16): neighbouring tokens' top-k lists
+  overlap (own and local blocks, similar scores), so the tile walks the *union* of its tokens'
+  valid (request, block) keys, each once, in ascending order (a min-reduction gives the next
+  key), masking the rows whose own list does not name the block.  Every K/V tile load is shared
+  by the tile's tokens and the dots get M = 128.  Tiles may straddle requests (keys carry the
+  request).  The keys are skipped/counted with reductions first so the attention loop is a
+  counted loop that Triton software-pipelines.
+* BLOCK_Q = 1 (decode): a counted loop over the token's list slots.
+
+Decode splits each token's work: split c takes distinct blocks (slots for BLOCK_Q = 1)
+``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (BLOCK_Q > 1: the last split takes the rest)
+and writes a normalised partial + log2-sum-exp for ``merge_splits_kernel``.
+
+Selection: slots ``[0, min(T, p // 128 + 1))`` are read (position-derived); an id that is negative,
+beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is skipped
+through load masks (nothing out of bounds is ever dereferenced, whatever the caller passes); the
+selected blocks are a set (an id listed twice counts once).
 
 Numerics (base 2, log2(e) folded into the scale): running max ``m``, running sum ``l`` and the
 accumulator in fp32; K/V are dequantised to the model dtype (FP8 bytes -> fp32 -> x scale ->
@@ -72,6 +77,67 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _attend_block(
+    q,  # [BLOCK_M, D] dot dtype
+    m,  # [BLOCK_M] running max (log2 domain)
+    l,  # [BLOCK_M] running sum
+    acc,  # [BLOCK_M, D] fp32
+    head_base,  # kv_ptr at this KV head
+    page,  # int64 physical page of the block
+    key_ok,  # [128] key exists (valid block, < seq_len)
+    visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
+    k_scale,
+    v_scale,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    qk_scale,
+    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
+    D: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):  # fmt: skip
+    """One 128-key block: online-softmax update of (m, l, acc) with one QK and one PV dot."""
+    dims = tl.arange(0, D)
+    offs = tl.arange(0, PAGE)
+    base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
+    ks = k_scale
+    vs = v_scale
+    if SCALE_MODE == 2:
+        phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
+        ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
+        vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
+    k = _load_kv_tile(
+        base[None, :] + dims[:, None], key_ok[None, :], ks,
+        MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+    )  # [D, 128]  # fmt: skip
+    v = _load_kv_tile(
+        base[:, None] + D + dims[None, :], key_ok[:, None], vs,
+        MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+    )  # [128, D], issued before the QK dot so both loads are in flight together  # fmt: skip
+    s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
+    if DOT_FP32:
+        p = p.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
     """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
     lo = tl.zeros(tokens.shape, tl.int32)
@@ -103,7 +169,7 @@ def sparse_attn_fwd_kernel(
     max_blocks,
     T,
     num_splits,
-    blocks_per_split,  # distinct blocks per split; the last split takes the rest
+    blocks_per_split,  # distinct blocks (BLOCK_Q = 1: list slots) per split
     qk_scale,  # sm_scale * log2(e)
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -127,11 +193,7 @@ def sparse_attn_fwd_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
 ):  # fmt: skip
-    """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group.
-
-    The tile walks the union of its tokens' valid (request, block) pairs in ascending order, each
-    exactly once; a row takes part in a block only if its own list names it (row mask).
-    """
+    """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     NO_KEY = tl.full([], 0x3FFFFFFFFFFFFFFF, tl.int64)  # sorts after every real (request, block) key
     pid = tl.program_id(0)
@@ -196,12 +258,49 @@ def sparse_attn_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    first = split * blocks_per_split
-    stop = tl.where(split == num_splits - 1, 0x7FFFFFFF, first + blocks_per_split)
-    key = tl.min(keys)
-    index = tl.full([], 0, tl.int32)  # a tensor from the start: loop-carried values keep one type
-    while (key != NO_KEY) & (index < stop):
-        if index >= first:
+    if BLOCK_Q == 1:
+        # One token: walk its slots with a counted loop (software-pipelinable on the GPU); a slot
+        # counts if valid and no earlier slot names the same block.  Split c owns slots
+        # [c * blocks_per_split, (c + 1) * blocks_per_split).
+        tok_pos = tl.max(pos)
+        tok_last_block = tl.max(last_block)
+        tok_req = tl.max(req)
+        tok_seq_len = tl.load(seq_lens_ptr + tok_req)
+        tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
+        topk_row = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tl.max(token).to(tl.int64) * stride_tkt
+        bt_row = block_table_ptr + tok_req.to(tl.int64) * stride_btr
+        slot_begin = split * blocks_per_split
+        slot_end = tl.minimum(slot_begin + blocks_per_split, tl.max(n_slots))
+        for slot in range(slot_begin, slot_end):
+            block = tl.load(topk_row + slot * stride_tks)
+            repeat = tl.max(((tok_ids == block) & (slots < slot)).to(tl.int32)) > 0
+            slot_ok = (block >= 0) & (block <= tok_last_block) & (block < max_blocks) & (repeat == 0)
+            page = tl.load(bt_row + tl.where(slot_ok, block, 0).to(tl.int64) * stride_btb, mask=slot_ok, other=-1)
+            slot_ok = slot_ok & (page >= 0) & (page < num_blocks)
+            # -1 marks a skipped slot (a scalar-bool & vector mask trips the interpreter)
+            key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions
+            key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
+            visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
+            m, l, acc = _attend_block(
+                q, m, l, acc, head_base, tl.where(slot_ok, page, 0).to(tl.int64), key_ok, visible, k_scale, v_scale,
+                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
+                stride_vsh, stride_vss,
+                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # fmt: skip
+    else:
+        # Several tokens: walk the distinct keys of the tile once each, in ascending order (a
+        # min-reduction gives the next one).  Skip the keys of earlier splits and count this
+        # split's with reductions only, so the attention loop itself is counted (pipelinable).
+        key = tl.min(keys)
+        for _ in range(0, split * blocks_per_split):
+            key = tl.min(tl.where(keys > key, keys, NO_KEY))
+        limit = tl.where(split == num_splits - 1, 0x7FFFFFFF, blocks_per_split)
+        count = tl.full([], 0, tl.int32)  # a tensor from the start: loop-carried values keep one type
+        probe = key
+        while (probe != NO_KEY) & (count < limit):
+            count += 1
+            probe = tl.min(tl.where(keys > probe, keys, NO_KEY))
+        for _ in range(0, count):
             block_req = key // max_blocks
             block = (key - block_req * max_blocks).to(tl.int32)
             member = tl.max((keys == key).to(tl.int32), axis=1) > 0  # [BLOCK_M] rows whose list names it
@@ -209,37 +308,13 @@ def sparse_attn_fwd_kernel(
             key_pos = block * PAGE + offs  # [128] logical positions
             key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
             visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
-            base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
-
-            ks = k_scale
-            vs = v_scale
-            if SCALE_MODE == 2:
-                phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
-                ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
-                vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
-            k = _load_kv_tile(
-                base[None, :] + dims[:, None], key_ok[None, :], ks,
-                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-            )  # [D, 128]  # fmt: skip
-            v = _load_kv_tile(
-                base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-                MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-            )  # [128, D], issued before the QK dot so both loads are in flight together  # fmt: skip
-            s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            p = p.to(MODEL_DTYPE)  # P is rounded to the model dtype before P.V, like the bf16 GPU path
-            if DOT_FP32:
-                p = p.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-            m = m_new
-        index += 1
-        key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
+            m, l, acc = _attend_block(
+                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
+                stride_vsh, stride_vss,
+                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # fmt: skip
+            key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
     has_keys = l > 0.0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0

@@ -54,7 +54,8 @@ def sparse_attn_decode(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     scale_mode: int,
-    num_splits: int | None = None,  # override of the shape-derived plan (tests)
+    num_splits: int | None = None,  # override of the shape-derived plan (tests, tuning)
+    block_q: int = 1,  # tokens per program; > 1 lets a request's speculative tokens share K/V loads
 ) -> torch.Tensor:
     total_q, Hq, D = q.shape
     Hkv = kv_cache.shape[1]
@@ -68,7 +69,7 @@ def sparse_attn_decode(
     lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split, block_q=1,
+        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split, block_q=block_q,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
     BLOCK_H = 16
