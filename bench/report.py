@@ -101,6 +101,11 @@ def _typed(r: dict) -> dict:
     return r
 
 
+def readme_section(rows: list[dict]) -> str:
+    """The targets check, then every row."""
+    return "Targets (issue 6):\n\n" + targets_markdown(targets(rows)) + "\nAll rows:\n\n" + markdown_table(rows)
+
+
 def update_readme(table: str, readme: str) -> None:
     text = ""
     if os.path.exists(readme):

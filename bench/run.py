@@ -165,7 +165,7 @@ def write_outputs(rows, out_dir: str, readme: str | None) -> None:
     for path in report.plots(rows, out_dir):
         print(f"wrote {path}")
     if readme:
-        report.update_readme(table, readme)
+        report.update_readme(report.readme_section(rows), readme)
     results = report.targets(rows)
     targets_md = report.targets_markdown(results)
     with open(os.path.join(out_dir, "targets.md"), "w") as f:
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         table = report.markdown_table(rows)
         with open(os.path.join(os.path.dirname(os.path.abspath(args.readme_table)), "table.md"), "w") as f:
             f.write(table)
-        report.update_readme(table, args.readme)
+        report.update_readme(report.readme_section(rows), args.readme)
         print(table)
         return 0
 
