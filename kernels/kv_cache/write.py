@@ -31,12 +31,14 @@ MODE_PER_TOKEN_HEAD = tl.constexpr(SCALE_PER_TOKEN_HEAD)
 def _scale_rows(x, scale_ptr, heads, slots, row_ok, stride_sh, stride_ss, SCALE_MODE: tl.constexpr):
     """x [BLOCK_R, D] fp32 divided by its scale (none, one scalar, or scale[head, slot])."""
     # div_rn: a plain fp32 `/` is approximate on NVIDIA GPUs, torch's division is correctly rounded.
+    scaled = x
     if SCALE_MODE == MODE_SCALAR:
-        x = tl.math.div_rn(x, tl.zeros_like(x) + tl.load(scale_ptr))
+        scaled = tl.math.div_rn(x, tl.zeros_like(x) + tl.load(scale_ptr))
     elif SCALE_MODE == MODE_PER_TOKEN_HEAD:
         s = tl.load(scale_ptr + heads.to(tl.int64) * stride_sh + slots * stride_ss, mask=row_ok, other=1.0)
-        x = tl.math.div_rn(x, s[:, None] + tl.zeros_like(x))
-    return x
+        scaled = tl.math.div_rn(x, s[:, None] + tl.zeros_like(x))
+    # GPU arithmetic returns a canonical (positive) NaN; keep the input's, whose sign OCP FP8 encodes.
+    return tl.where(x != x, x, scaled)
 
 
 @triton.jit

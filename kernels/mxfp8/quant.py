@@ -111,6 +111,8 @@ def _swiglu_oai_mxfp8_kernel(
     row_ptr = gate_up_ptr + rows[:, None].to(tl.int64) * stride_m
     gate = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Inductor passes Python floats as fp64 scalars: without the casts the activation would be fp64.
+    alpha, beta, limit = tl.cast(alpha, tl.float32), tl.cast(beta, tl.float32), tl.cast(limit, tl.float32)
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
