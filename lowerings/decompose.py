@@ -55,3 +55,24 @@ def register_functional_decomposition(opdef, defer=lambda: False) -> None:
             return trace_body(opdef, *args, **kwargs)
 
     opdef.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+def kernel_names_in(code: str) -> dict[str, int]:
+    """Our user-defined Triton kernels launched by Inductor's generated wrapper code, with launch counts."""
+    import re
+
+    import triton
+
+    from mm3_compile.kernels.indexer import topk
+    from mm3_compile.kernels.kv_cache import write
+    from mm3_compile.kernels.mxfp8 import quant
+    from mm3_compile.kernels.sparse_attn import decode, prefill
+
+    names = sorted(
+        obj.fn.__name__
+        for module in (topk, write, quant, decode, prefill)
+        for obj in vars(module).values()
+        if isinstance(obj, triton.runtime.jit.JITFunction)
+    )
+    counts = {name: len(re.findall(rf"\b{name}_\d+\.run\(", code)) for name in names}
+    return {name: n for name, n in counts.items() if n}

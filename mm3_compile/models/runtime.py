@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from mm3_compile.lowerings import dynamic_shapes
+
 from mm3_compile import platform
 from mm3_compile.models.layers import PAGE_SIZE, AttentionMetadata, MiniMaxM3ForCausalLM, write_index_cache
 
@@ -183,7 +185,8 @@ def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwar
     def dynamic_tokens(compiled):
         def call(input_ids, meta, caches):
             torch._dynamo.maybe_mark_dynamic(input_ids, 0)
-            return compiled(input_ids, meta, caches)
+            with dynamic_shapes():  # batch 1 / 1-token prefills share the graph too (no 0/1 specialisation)
+                return compiled(input_ids, meta, caches)
 
         return call
 
