@@ -13,6 +13,7 @@ import torch._dynamo.testing
 import mm3_compile
 from mm3_compile import platform
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
+from mm3_compile.lowerings.decompose import kernel_names_in
 from tests.every_op import EveryOp, make_batch
 
 PREFILL_LENGTHS = (1, 127, 128, 129, 1000)
@@ -136,32 +137,6 @@ def test_deploy_refuses_other_fp8_platform():
 # GPU: the kernels inside Inductor's code, CUDA graphs, in-place cache writes, AOTInductor.
 
 
-def our_kernel_names() -> set[str]:
-    import triton
-
-    from mm3_compile.kernels.indexer import topk
-    from mm3_compile.kernels.kv_cache import write
-    from mm3_compile.kernels.mxfp8 import quant
-    from mm3_compile.kernels.sparse_attn import decode, prefill
-
-    return {
-        obj.fn.__name__
-        for module in (topk, write, quant, decode, prefill)
-        for obj in vars(module).values()
-        if isinstance(obj, triton.runtime.jit.JITFunction)
-    }
-
-
-def launched_kernels(code: str) -> dict[str, int]:
-    """Our user-defined Triton kernels launched by Inductor's wrapper code, with launch counts."""
-    counts = {}
-    for name in sorted(our_kernel_names()):
-        n = len(re.findall(rf"\b{name}_\d+\.run\(", code))
-        if n:
-            counts[name] = n
-    return counts
-
-
 def compiled_step_code(module, step, batch, **compile_kwargs):
     torch._dynamo.reset()
     compiled = torch.compile(getattr(module, step), fullgraph=True, **compile_kwargs)
@@ -179,7 +154,7 @@ def test_gpu_inductor_code_contains_our_kernels(kv_cache_dtype, step, device):
     out, code = compiled_step_code(module, step, batch)
     assert "async_compile.triton(" in code
     assert mm3_calls(code) == [], "an mm3 op is still called opaquely"
-    kernels = launched_kernels(code)
+    kernels = kernel_names_in(code)
     for expected in ("_kv_cache_write_kernel", "_swiglu_oai_mxfp8_kernel", "_mxfp8_quantize_kernel"):
         assert expected in kernels, kernels
     assert_outputs_equal(out, getattr(module, step)(*batch.args()))
@@ -212,7 +187,7 @@ def test_gpu_fusion_pass_emits_fused_kernel(device):
     compiled = torch.compile(unfused_moe_activation, fullgraph=True, options=mm3_compile.compile_options())
     with torch._inductor.utils.fresh_cache():
         (values, scales), (code,) = torch._inductor.utils.run_and_get_code(compiled, gate_up)
-    assert launched_kernels(code) == {"_swiglu_oai_mxfp8_kernel": 1}
+    assert kernel_names_in(code) == {"_swiglu_oai_mxfp8_kernel": 1}
     ref_values, ref_scales = mxfp8_quantize_ref(swiglu_oai_ref(gate_up), platform.fp8_format(values.dtype))
     assert torch.equal(scales.view(torch.uint8), ref_scales.view(torch.uint8))
 
@@ -337,5 +312,5 @@ if torch.cuda.is_available():
             module = EveryOp(num_blocks=64, D=128, kv_cache_dtype="fp8", device="cuda")
             batch = make_batch(module, [300, 129, 1000], [1, 1, 1], device="cuda")
             _, code = compiled_step_code(module, "decode", batch)
-            summary = "\n".join(f"{name} x{count}" for name, count in launched_kernels(code).items())
+            summary = "\n".join(f"{name} x{count}" for name, count in kernel_names_in(code).items())
             self.assertExpectedInline(summary, """""")
