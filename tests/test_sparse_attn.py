@@ -26,7 +26,7 @@ from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
-from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
+from mm3_compile.ops._kv import resolve_cache_view
 
 PAGE = 128
 TOLERANCE = {torch.bfloat16: (2e-2, 1.5e-3), torch.float16: (2e-3, 1.5e-4)}  # (max abs, mean abs)
@@ -479,16 +479,31 @@ block_h = max(triton.next_power_of_2(G), 16 // block_q)
 constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
                   IS_FP8=kv_type != "*bf16", NATIVE_FP8=native == "1", SCALE_MODE=int(scale_mode), DOT_FP32=False,
                   FP8_MANT=3, FP8_BIAS=8 if "b8" in kv_type else 7, FP8_FNUZ="b8" in kv_type, FP8_HAS_INF=False)
-pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", k_scale_ptr="*fp32", v_scale_ptr="*fp32", lse_ptr="*fp32")
-signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32") for n in names}
-aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt")]
+pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                lse_ptr="*fp32")
+
+
+def arg_type(name):
+    if name in constexprs:
+        return "constexpr"
+    if name in pointers:
+        return pointers[name]
+    return "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
+
+
+signature = {n: arg_type(n) for n in names}
+# Real launches specialise 16-divisible pointers and strides; without the hint loads do not vectorise.
+aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qt", "stride_qh", "stride_kb", "stride_kh",
+                                                           "stride_kt")]
 source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                    {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
 num_warps, num_stages = (8, 2) if target_name == "sm_90" else (4, 1)
 compiled = triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 merge = common.merge_splits_kernel
-merge_sig = {n: "constexpr" if n in ("D", "BLOCK_H") else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr") else "i32" for n in merge.arg_names}
-triton.compile(ASTSource(merge, merge_sig, {(merge.arg_names.index("D"),): D, (merge.arg_names.index("BLOCK_H"),): 16}), target=target)
+merge_sig = {n: "constexpr" if n in ("D", "BLOCK_H") else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr")
+             else "i32" for n in merge.arg_names}
+merge_constexprs = {(merge.arg_names.index("D"),): D, (merge.arg_names.index("BLOCK_H"),): 16}
+triton.compile(ASTSource(merge, merge_sig, merge_constexprs), target=target)
 print("compiled", sorted(compiled.asm))
 """
 

@@ -354,7 +354,8 @@ def merge_splits_kernel(
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     for c in range(0, num_splits):
         w = tl.exp2(tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")) - lse_ref)
-        o = tl.load(o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :], mask=head_mask[:, None], other=0.0)
+        o_ptrs = o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :]
+        o = tl.load(o_ptrs, mask=head_mask[:, None], other=0.0)
         acc += w[:, None] * o.to(tl.float32)
         weight_sum += w
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]

@@ -76,7 +76,9 @@ def sparse_attn_ref(
     return out.float().to(q.device)
 
 
-def sparse_attn_decode_ref(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, storage_dtype, k_scale=None, v_scale=None):
+def sparse_attn_decode_ref(
+    q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, storage_dtype, k_scale=None, v_scale=None
+):
     """Uniform decode: ``total_q // num_reqs`` consecutive tokens per request."""
     num_reqs = seq_lens.shape[0]
     q_per_req = q.shape[0] // num_reqs

@@ -46,7 +46,9 @@ def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, 
         )
     num_reqs = seq_lens.shape[0]
     if block_table.shape[0] != num_reqs:
-        raise ValueError(f"block_table: expected {num_reqs} rows (one per request in seq_lens), got {block_table.shape[0]}")
+        raise ValueError(
+            f"block_table: expected {num_reqs} rows (one per request in seq_lens), got {block_table.shape[0]}"
+        )
     view, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, q.dtype)
     scale_mode = kv_scale_mode(k_scale, v_scale, Hkv, num_blocks * PAGE_SIZE, q.device)
     return view, fmt, scale_mode
@@ -100,7 +102,10 @@ def sparse_attn_prefill(
 
 
 @sparse_attn_prefill.register_fake
-def _(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None):
+def _(
+    q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale,
+    kv_cache_dtype="auto", k_scale=None, v_scale=None,
+):  # fmt: skip
     _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
@@ -119,7 +124,9 @@ def sparse_attn_decode(
 ) -> torch.Tensor:
     """Uniform decode: q [num_reqs * q_per_req, Hq, D] -> [total_q, Hq, D]; token b is offset b % q_per_req
     of request b // q_per_req at p = seq_len - q_per_req + offset; seq_len 0 (padding) gives zeros."""
-    view, fmt, scale_mode = _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    view, fmt, scale_mode = _check_decode(
+        q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale
+    )
     require_kernel_device("q", q)
     with eager_launches():
         return decode_kernels.sparse_attn_decode(
