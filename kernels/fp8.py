@@ -13,6 +13,17 @@ import triton.language as tl
 from mm3_compile.platform import FP8Format
 
 
+# FP8_NATIVE codes for fp8_encode_native: which typed conversion the hardware does.
+NATIVE_NONE, NATIVE_E4M3FN, NATIVE_E5M2 = 0, 1, 2
+
+
+def native_encode_code(fmt: FP8Format, native: bool) -> int:
+    """The FP8_NATIVE constexpr for ``fmt``: hardware conversion only for OCP formats on NVIDIA (cvt.rn.satfinite)."""
+    if not native or fmt.fnuz:
+        return NATIVE_NONE
+    return NATIVE_E4M3FN if fmt.mantissa_bits == 3 else NATIVE_E5M2
+
+
 def format_constants(fmt: FP8Format) -> dict:
     """Keyword constexprs describing ``fmt`` for ``fp8_encode`` / ``fp8_decode``."""
     return dict(
@@ -75,3 +86,17 @@ def fp8_decode(code, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_FNUZ: t
     else:
         value = tl.where((code & 0x7F) == 0x7F, float("nan"), value)
     return value
+
+
+@triton.jit
+def fp8_encode_native(v, FP8_NATIVE: tl.constexpr):
+    """fp32 -> FP8 byte with the hardware's RNE saturating conversion; same bytes as ``fp8_encode``.
+
+    The conversion returns a positive NaN for every NaN; OCP formats keep the input NaN's sign.
+    """
+    if FP8_NATIVE == 1:
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code = v.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return tl.where(v != v, (sign << 7) | 0x7F, code)
