@@ -528,3 +528,33 @@ def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen,
                             timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_kv_cache_write_then_attention_gfx942(op, device):
+    """The issue's chain under emulated gfx942: mm3::kv_cache_write(kv_cache_dtype="fp8") then attention
+    is within fp8 error of the same chain on a bf16 cache; the bytes read as e4m3fn (#45562) are not."""
+    reqs = [(300, 4), (150, 3)] if op == "prefill" else [(300, 1), (150, 1)]
+    with platform.emulate("gfx942"):
+        fp8 = build(device, reqs, spec="fp8", seed=9)
+        bf16 = dataclasses.replace(
+            fp8, kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "NHD"), kv_cache_dtype="auto",
+            storage_dtype=torch.bfloat16,
+        )  # fmt: skip
+        num_blocks, Hkv, _, width = fp8.values.shape
+        D = width // 2
+        tokens = fp8.values.permute(0, 2, 1, 3).reshape(num_blocks * PAGE, Hkv, width).bfloat16()  # slot order
+        slots = torch.arange(num_blocks * PAGE, device=device)
+        for case in (fp8, bf16):
+            case.kv_cache.zero_()
+            torch.ops.mm3.kv_cache_write(tokens[..., :D], tokens[..., D:], case.kv_cache, slots, case.kv_cache_dtype)
+        if op == "prefill":
+            out, expected = (torch.ops.mm3.sparse_attn_prefill(*c.prefill_args()) for c in (fp8, bf16))
+        else:
+            out, expected = (torch.ops.mm3.sparse_attn_decode(*c.decode_args()) for c in (fp8, bf16))
+    max_tol, mean_tol = FP8_ROUND_TRIP_TOLERANCE
+    err = (out.float() - expected.float()).abs()
+    assert err.max() < max_tol and err.mean() < mean_tol, f"max {err.max():.3g} mean {err.mean():.3g}"
+    wrong = fp8.reference(storage_dtype=platform.FP8_E4M3_OCP)  # the written bytes read as e4m3fn
+    wrong_err = (wrong - expected.float()).abs()
+    assert wrong_err.mean() > 10 * mean_tol and wrong_err.max() > 4 * max_tol
