@@ -195,6 +195,7 @@ def sparse_attn_fwd_kernel(
 ):  # fmt: skip
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     NO_KEY = tl.full([], 0x3FFFFFFFFFFFFFFF, tl.int64)  # sorts after every real (request, block) key
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
