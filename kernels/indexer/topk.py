@@ -191,7 +191,9 @@ def index_topk(
     block_q = 64
     # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_Q) <= cdiv(total_q, BLOCK_Q) + num_reqs
     # bounds the grid by shapes alone (surplus programs exit at once).
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).clamp(min=0)  # [num_reqs]
+    # narrow by num_reqs, not [1:]/[:-1]: with size-oblivious symbolic sizes a slice's length would be a
+    # fresh unbacked symbol that Inductor cannot lower inside the traced op body.
+    q_lens = (cu_seqlens_q.narrow(0, 1, num_reqs) - cu_seqlens_q.narrow(0, 0, num_reqs)).clamp(min=0)  # [num_reqs]
     tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_q - 1) // block_q, 0), (1, 0)).to(torch.int32)
     launch(
         _index_score_kernel, (triton.cdiv(total_q, block_q) + num_reqs, max_blocks),
