@@ -161,12 +161,14 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     report = compare_with_reference(eager, config, state, model.dtype, args.kv_cache_dtype, device=device)
     diffs = torch.cat([(c.logits - e.logits).abs().flatten() for c, e in zip(warm.steps, eager.steps)])
-    topk_same = all(all(torch.equal(a, b) for a, b in zip(c.topk, e.topk)) for c, e in zip(warm.steps, eager.steps))
+    # Selections compared per (head, token) list; compiled bf16 rounding may legitimately flip near-ties.
+    lists = [(a != b).any(-1) for c, e in zip(warm.steps, eager.steps) for a, b in zip(c.topk, e.topk)]
+    topk_differ = sum(int(d.sum()) for d in lists), sum(d.numel() for d in lists)
     rows = [
         {"check": "model", "value": f"{args.config}: {config.num_hidden_layers} layers (dense, sparse+MoE), batch {args.batch}, prompts {prompt_lens}, {args.steps} decode steps"},
         {"check": "KV cache", "value": f"{args.kv_cache_dtype} -> {runtime.storage_dtype}"},
         {"check": "graph breaks / graphs compiled", "value": f"{breaks} / {graphs} (prefill + decode; later steps reuse them)"},
-        {"check": "compiled vs eager: same top-k blocks", "value": str(topk_same)},
+        {"check": "compiled vs eager: top-k lists differing", "value": f"{topk_differ[0]} of {topk_differ[1]} (near-tie flips from bf16 rounding)"},
         {"check": "compiled vs eager: |logits diff| max / median", "value": f"{diffs.max().item():.3g} / {diffs.median().item():.3g} (MoE routing flips on bf16-level changes)"},
         {"check": "eager vs reference: worst sub-block err", "value": f"{report.worst_sub_block:.3g} (bf16 rounding ~1e-2)"},
         {"check": "eager vs reference: top-k mismatches", "value": str(sum(report.topk_mismatch))},
