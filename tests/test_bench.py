@@ -45,6 +45,7 @@ EXPECTED_PROVIDERS = {
         "sdpa_dense_causal",
     },
     "indexer": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
+    "layer": {"eager", "compiled", "compile_cold", "compile_warm"},
 }
 
 

@@ -1,0 +1,83 @@
+"""A whole decoder step of the M3 model: eager vs ``torch.compile`` step time, cold and warm compile time.
+
+GPU: ``m3_1layer`` (one sparse + MoE layer at the real widths), a batch of 32 requests after
+2048-token prompts, bf16 KV.  CPU: the tiny model, to check the harness only.  The step time is
+the median over the decode steps after the first (which pays for compilation in the compiled
+run).  Cold compile = first compiled prefill + first decode step, in a process whose Inductor
+caches have not seen the model; warm = the same after ``torch._dynamo.reset()`` (Inductor's
+on-disk caches hit).  Checked first: the compiled step picks the same top-k blocks as eager on at
+least 99% of lists (bf16 rounding may flip near-ties) and its hidden states stay within bf16 noise.
+"""
+
+import statistics
+import time
+
+import torch
+
+from bench.harness import Check, Context
+
+
+def _workload(ctx: Context):
+    from mm3_compile.models import MiniMaxM3Config, PagedKVRuntime, build_model, random_full_state
+
+    if ctx.cuda:
+        config, batch, prompt, steps = MiniMaxM3Config.m3_1layer(), 32, 2048, 8
+    else:
+        config, batch, prompt, steps = MiniMaxM3Config.tiny(), 2, 140, 3
+    blocks = (prompt + steps + 127) // 128 + 1
+    state = random_full_state(config, seed=0, device=ctx.device)
+    model = build_model(config, seed=0, device=ctx.device, dtype=torch.bfloat16, state=state)
+    runtime = PagedKVRuntime(model, num_blocks=batch * blocks, max_blocks_per_request=blocks, kv_cache_dtype="auto")
+    return config, model, runtime, batch, prompt, steps
+
+
+def _compare(compiled, eager) -> Check:
+    lists = [(a != b).any(-1) for c, e in zip(compiled.steps, eager.steps) for a, b in zip(c.topk, e.topk)]
+    differ = sum(int(d.sum()) for d in lists) / max(1, sum(d.numel() for d in lists))
+    last_c, last_e = compiled.steps[-1].hiddens[-1].float(), eager.steps[-1].hiddens[-1].float()
+    rel = ((last_c - last_e).norm() / last_e.norm().clamp(min=1e-6)).item()
+    return Check(differ <= 0.01 and rel <= 0.05, rel, f"top-k lists differing {differ:.2%}, final hidden rel. err {rel:.2e}")
+
+
+def run(ctx: Context) -> None:
+    from mm3_compile.models import compile_model, run_demo_workload
+
+    config, model, runtime, batch, prompt, steps = _workload(ctx)
+    shape = f"{'m3-1layer' if ctx.cuda else 'tiny'} B{batch} prompt {prompt} decode"
+    base = dict(family="layer", shape=shape, dtype="bf16", kv_dtype="bf16", ceiling_kind="-")
+    if ctx.budget.expired():
+        ctx.record(**base, provider="(all)", mode="-", error="skipped: time budget")
+        return
+
+    def workload(fns):
+        return run_demo_workload(model, runtime, batch, prompt, steps, compiled=fns)
+
+    def first_steps(result) -> float:
+        return result.steps[0].seconds + result.steps[1].seconds
+
+    def decode_ms(result) -> float:
+        return 1e3 * statistics.median(s.seconds for s in result.steps[2:])
+
+    eager = workload(False)
+    fns = compile_model(model, backend=ctx.compile_backend)
+    cold = workload(fns)
+    steady = workload(fns)
+    torch._dynamo.reset()
+    warm_fns = compile_model(model, backend=ctx.compile_backend)
+    started = time.perf_counter()
+    warm = workload(warm_fns)
+    warm_wall = time.perf_counter() - started
+
+    check = _compare(steady, eager)
+    eager_ms, compiled_ms = decode_ms(eager), decode_ms(steady)
+    common = dict(correct=check.ok, max_err=check.max_err, n_sets=1, graph_replay=False)
+    ctx.record(**base, provider="eager", mode="launched", ms=eager_ms, us=eager_ms * 1e3, note=check.note, **common)
+    ctx.record(
+        **base, provider="compiled", mode="launched", ms=compiled_ms, us=compiled_ms * 1e3,
+        note=f"{compiled_ms / eager_ms:.2f}x eager; {check.note}", **common,
+    )  # fmt: skip
+    for provider, seconds, note in (
+        ("compile_cold", first_steps(cold) - first_steps(steady), "first compiled prefill+decode minus steady state"),
+        ("compile_warm", first_steps(warm) - first_steps(steady), f"after torch._dynamo.reset(); run wall {warm_wall:.1f} s"),
+    ):
+        ctx.record(**base, provider=provider, mode="-", ms=seconds * 1e3, us=seconds * 1e6, note=note, **common)
