@@ -6,7 +6,9 @@ the median over the decode steps after the first (which pays for compilation in 
 run).  Cold compile = first compiled prefill + first decode step, in a process whose Inductor
 caches have not seen the model; warm = the same after ``torch._dynamo.reset()`` (Inductor's
 on-disk caches hit).  Checked first: the compiled step picks the same top-k blocks as eager on at
-least 99% of lists (bf16 rounding may flip near-ties) and its hidden states stay within bf16 noise.
+least 99% of lists (bf16 rounding may flip near-ties), the median token's final hidden state is
+within 1% of eager and at most 1/16 of the tokens differ by more than 5% (a near-tied router may
+pick another expert for a token).
 """
 
 import statistics
@@ -34,9 +36,17 @@ def _workload(ctx: Context):
 def _compare(compiled, eager) -> Check:
     lists = [(a != b).any(-1) for c, e in zip(compiled.steps, eager.steps) for a, b in zip(c.topk, e.topk)]
     differ = sum(int(d.sum()) for d in lists) / max(1, sum(d.numel() for d in lists))
-    last_c, last_e = compiled.steps[-1].hiddens[-1].float(), eager.steps[-1].hiddens[-1].float()
-    rel = ((last_c - last_e).norm() / last_e.norm().clamp(min=1e-6)).item()
-    return Check(differ <= 0.01 and rel <= 0.05, rel, f"top-k lists differing {differ:.2%}, final hidden rel. err {rel:.2e}")
+    last_c, last_e = compiled.steps[-1].hiddens[-1].float(), eager.steps[-1].hiddens[-1].float()  # [T, H]
+    per_token = ((last_c - last_e).norm(dim=-1) / last_e.norm(dim=-1).clamp(min=1e-6)).cpu()  # [T]
+    # A near-tied router may pick another expert for a token under other bf16 roundings: that token's
+    # hidden then differs by a whole expert; the others must agree to bf16 noise.
+    flipped = float((per_token > 0.05).float().mean())
+    median = float(per_token.median())
+    return Check(
+        differ <= 0.01 and flipped <= 1 / 16 and median <= 1e-2,
+        median,
+        f"top-k lists differing {differ:.2%}, final hidden rel. err median {median:.1e}, tokens > 5%: {flipped:.1%}",
+    )
 
 
 def run(ctx: Context) -> None:

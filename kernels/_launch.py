@@ -38,6 +38,21 @@ def eager_launches():
         yield
 
 
+def empty_row_major(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` with its row-major strides spelled out.
+
+    ``torch.empty`` multiplies ``max(1, size)`` into each stride; for a symbolic width such as ``K // 32``
+    that leaves ``Max(1, K//32)`` in the stride under ``backed_size_oblivious``, Inductor cannot match it
+    to the layout of the user kernel argument and inserts a copy that reads itself (torch 2.11:
+    ``KeyError: 'opN'`` in ``Scheduler.compute_ancestors``).
+    """
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return torch.empty_strided(tuple(shape), tuple(reversed(strides)), dtype=dtype, device=device)
+
+
 def require_kernel_device(name: str, t: torch.Tensor) -> None:
     """CPU tensors only run under the Triton interpreter; say so instead of failing deep inside Triton."""
     if t.device.type == "cpu" and not platform.interpreting():

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import fp8_encode, fp8_encode_native, format_constants, native_encode_code
 from mm3_compile import platform
 from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE, FP8Format, interpreting
@@ -150,8 +150,8 @@ def _tile(K: int) -> dict:
 
 
 def _outputs(rows, K: int, fmt: FP8Format, device):
-    values = torch.empty((rows, K), dtype=torch.uint8, device=device)
-    scales = torch.empty((rows, K // MX_BLOCK_SIZE), dtype=torch.uint8, device=device)
+    values = empty_row_major((rows, K), torch.uint8, device)
+    scales = empty_row_major((rows, K // MX_BLOCK_SIZE), torch.uint8, device)
     return values, scales
 
 

@@ -27,6 +27,10 @@ from mm3_compile import platform
 from mm3_compile.models.config import MiniMaxM3Config
 
 BLOCK = 128
+# Routing scores closer than this are a tie for comparison purposes: at M3 widths, one-ulp bf16 changes in 2%
+# of a router input move the scores by up to ~1e-3 (measured on random weights) and swapped experts only
+# where the gap was < 2.2e-4; about 8% of random tokens fall under 1e-3.
+ROUTING_TIE = 1e-3
 INIT_SCORE, LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30
 
 
@@ -106,6 +110,7 @@ class RefStep:
     logits: torch.Tensor  # [T, V] fp32
     hiddens: list[torch.Tensor]  # sub-block outputs, fp32 values of model-dtype numbers; hiddens[0] = embedding
     topk: list[torch.Tensor]  # per sparse layer [Hkv, T, topk] int32
+    route_margin: dict[int, torch.Tensor]  # per MoE layer [T]: k-th minus (k+1)-th routing score
 
 
 class ReferenceModel:
@@ -209,7 +214,10 @@ class ReferenceModel:
             return self._round(h + self._mlp(x, p + "mlp."))
         scores = torch.sigmoid(x @ self.w[p + "moe.gate.weight"].T)  # [T, E]
         choice = scores + self.w[p + "moe.e_score_correction_bias"]
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, : cfg.num_experts_per_tok]
+        ranked = torch.sort(choice, dim=-1, descending=True, stable=True)
+        ids = ranked.indices[:, : cfg.num_experts_per_tok]
+        k = cfg.num_experts_per_tok
+        self.route_margin[layer] = ranked.values[:, k - 1] - ranked.values[:, k] if k < cfg.num_experts else None
         weights = scores.gather(-1, ids)
         weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor  # [T, k]
         out = torch.zeros_like(x)
@@ -236,6 +244,7 @@ class ReferenceModel:
         inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()  # noqa: E731
         h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
         hiddens, topks = [h], []
+        self.route_margin = {}
         for layer in range(self.cfg.num_hidden_layers):
             h_mid, chosen = self._attention(layer, inp(2 * layer, hiddens[-1]), q_lens)
             hiddens.append(h_mid)
@@ -246,7 +255,7 @@ class ReferenceModel:
         final = self._round(gemma_norm(last, self.w["final_norm.weight"], self.cfg.rms_norm_eps))
         logits = self._round(final @ self.w["lm_head.weight"].T)
         self.seq_lens = [s + n for s, n in zip(self.seq_lens, q_lens)]
-        return RefStep(logits, hiddens, topks)
+        return RefStep(logits, hiddens, topks, {i: m for i, m in self.route_margin.items() if m is not None})
 
 
 @dataclasses.dataclass
@@ -266,9 +275,21 @@ class Comparison:
         return max(max(s) for s in self.sub_block_max_err)
 
 
+def routing_ambiguous(ref: RefStep, sub_block: int) -> torch.Tensor | None:
+    """Tokens of an MoE sub-block whose k-th and (k+1)-th routing scores are within ``ROUTING_TIE``.
+
+    The op model computes its router input with other (equally valid) bf16 roundings, so near-tied experts
+    may swap; such a token's MoE output legitimately differs by a whole expert's contribution.
+    """
+    layer = (sub_block - 2) // 2
+    if sub_block % 2 or layer not in ref.route_margin:
+        return None
+    return ref.route_margin[layer].cpu() < ROUTING_TIE
+
+
 def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
     """Per sub-block: max over elements of ``|op - ref|`` beyond one model-dtype ulp of ``ref``, over max
-    ``|update|`` (update = sub-block output - input).
+    ``|update|`` (update = sub-block output - input); routing-ambiguous tokens are left out of MoE sub-blocks.
 
     The ulp allowance absorbs the residual add's rounding: a small update added to a large residual can
     round one ulp either way, which says nothing about the sub-block's accuracy.
@@ -277,6 +298,12 @@ def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
     for i in range(1, len(op_hiddens)):
         op, r, inp = op_hiddens[i].cpu().float(), ref.hiddens[i].cpu(), forced[i - 1].cpu().float()
         eps = torch.finfo(op_hiddens[i].dtype).eps
+        ambiguous = routing_ambiguous(ref, i)
+        if ambiguous is not None:
+            op, r, inp = op[~ambiguous], r[~ambiguous], inp[~ambiguous]
+        if not r.numel():
+            errs.append(0.0)
+            continue
         excess = ((op - r).abs() - eps * r.abs()).clamp(min=0)
         errs.append((excess.max() / (r - inp).abs().max().clamp(min=1e-6)).item())
     return errs

@@ -7,7 +7,7 @@ asked in the real implementation and in the fake alike (so under torch.compile: 
 import torch
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import eager_launches, require_kernel_device
+from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device
 from mm3_compile.kernels.mxfp8 import quant as kernels
 from mm3_compile.ops._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
 from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE
@@ -24,8 +24,8 @@ def _mx_outputs_like(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
     value_dtype = platform.mxfp8_value_dtype(x.device)
     lead = x.shape[:-1]
     return (
-        x.new_empty((*lead, width), dtype=value_dtype),
-        x.new_empty((*lead, width // MX_BLOCK_SIZE), dtype=E8M0_DTYPE),
+        empty_row_major((*lead, width), value_dtype, x.device),
+        empty_row_major((*lead, width // MX_BLOCK_SIZE), E8M0_DTYPE, x.device),
     )
 
 
