@@ -9,7 +9,9 @@ decode 2x too large (upstream #45562), which no runtime error would reveal.
 
 from __future__ import annotations
 
+import json
 import os
+import zipfile
 
 import torch
 
@@ -46,10 +48,21 @@ def package(exported: torch.export.ExportedProgram, path: str | os.PathLike, dev
     )
 
 
+def package_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata an AOTInductor package records, read from the archive without loading its library."""
+    with zipfile.ZipFile(path) as archive:
+        names = sorted((n for n in archive.namelist() if n.endswith("metadata.json")), key=lambda n: "wrapper" not in n)
+        if not names:
+            raise ValueError(f"{os.fspath(path)}: not an AOTInductor package (no *metadata.json in the archive)")
+        return json.loads(archive.read(names[0]))
+
+
 def load(path: str | os.PathLike, device: torch.device | str | None = None):
-    """Load an AOTInductor package after checking its platform stamp against ``device``."""
-    runner = torch._inductor.aoti_load_package(os.fspath(path))
+    """Load an AOTInductor package after checking its platform stamp against ``device``.
+
+    The stamp is checked before the package's library is loaded: a refused package never runs code.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_platform(runner.get_metadata(), device)
-    return runner
+    check_platform(package_metadata(path), device)
+    return torch._inductor.aoti_load_package(os.fspath(path))
