@@ -52,9 +52,13 @@ def _as_float(v):
 def markdown_table(rows: list[dict]) -> str:
     rows = [_typed(r) for r in rows]
     env = next((r for r in rows if r.get("gpu")), {})
+    runs = {}  # timestamp -> families measured in that run (a CSV may merge runs)
+    for r in rows:
+        runs.setdefault(r.get("timestamp") or "?", []).append(r["family"])
+    when = "; ".join(f"{t}: {', '.join(dict.fromkeys(f for f in fams if f != 'ceiling'))}" for t, fams in runs.items())
     out = [
-        f"Measured on {env.get('gpu', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
-        f"{env.get('timestamp', '?')}); `launched` = Python-launched `do_bench` median, `graph` = CUDA-graph "
+        f"Measured on {env.get('gpu', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; "
+        f"runs {when}); `launched` = Python-launched `do_bench` median, `graph` = CUDA-graph "
         "replay per call; % is of the same run's ceiling (copy GB/s or bf16 matmul TFLOP/s).",
         "",
     ]
