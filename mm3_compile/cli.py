@@ -167,7 +167,7 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
     lists = [(a != b).any(-1) for c, e in zip(warm.steps, eager.steps) for a, b in zip(c.topk, e.topk)]
     topk_differ = sum(int(d.sum()) for d in lists), sum(d.numel() for d in lists)
     rows = [
-        {"check": "model", "value": f"{args.config}: {config.num_hidden_layers} layers (dense, sparse+MoE), batch {args.batch}, prompts {prompt_lens}, {args.steps} decode steps"},
+        {"check": "model", "value": f"{args.config}: layers {', '.join('sparse+MoE' if config.is_sparse_layer(i) else 'dense' for i in range(config.num_hidden_layers))}, batch {args.batch}, prompts {prompt_lens}, {args.steps} decode steps"},
         {"check": "KV cache", "value": f"{args.kv_cache_dtype} -> {runtime.storage_dtype}"},
         {"check": "graph breaks / graphs compiled", "value": f"{breaks} / {graphs} (prefill + decode; later steps reuse them)"},
         {"check": "compiled vs eager: top-k lists differing", "value": f"{topk_differ[0]} of {topk_differ[1]} (near-tie flips from bf16 rounding)"},

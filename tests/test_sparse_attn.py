@@ -514,6 +514,7 @@ print("compiled", sorted(compiled.asm))
         ("sm_90", "*bf16", 16, 128, 8, 1, 0, 0),  # TP1 prefill tile
         ("sm_90", "*u8", 8, 64, 16, 1, 2, 0),  # FP8 bytes, per-slot scales, D 64
         ("gfx942", "*fp8e4b8", 16, 128, 1, 0, 1, 1),  # split decode on MI300: typed e4m3fnuz
+        ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1),  # split decode on the H200 at TP8: typed e4m3fn, scalar scale
     ],
 )
 def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen, scale_mode, native):
