@@ -151,11 +151,23 @@ def test_random_floats_select_top_scores(device):
         token += positions.shape[0]
 
 
-def test_corrupt_metadata_stays_in_bounds(device):
-    """Page ids outside the cache and a cu_seqlens_q past total_q are masked: valid ids, no crash."""
+def test_corrupt_metadata_stays_in_bounds(device, monkeypatch):
+    """Page ids outside the cache and a cu_seqlens_q past total_q are masked: valid ids, no crash.
+
+    With value checks off (the GPU default): the kernels alone must stay in bounds.  With them on
+    (the CPU default) the same metadata is refused, naming the argument.
+    """
     index_q, index_k, block_table, cu, seq_lens = make_inputs([(3, 700), (2, 300)], 2, 32, device, seed=9)
     block_table[0, 1], block_table[0, 3], block_table[1, 0] = -5, 1 << 30, index_k.shape[0]
     cu[-1] = cu[-1] + 50
+    monkeypatch.setenv("MM3_VALIDATE", "1")
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected offsets from 0 to total_q=5"):
+        torch.ops.mm3.index_topk(index_q, index_k, block_table, cu, seq_lens, 4, 0, 1)
+    good_cu = cu.clone()
+    good_cu[-1] -= 50
+    with pytest.raises(ValueError, match="block_table: request 0, block 1 maps to page -5"):
+        torch.ops.mm3.index_topk(index_q, index_k, block_table, good_cu, seq_lens, 4, 0, 1)
+    monkeypatch.setenv("MM3_VALIDATE", "0")
     out = torch.ops.mm3.index_topk(index_q, index_k, block_table, cu, seq_lens, 4, 0, 1).cpu()
     assert out.shape == (2, 5, 4)
     assert ((out >= -1) & (out < 6)).all()

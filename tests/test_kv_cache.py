@@ -18,6 +18,13 @@ SCALE_MODES = ("none", "scalar", "per_token_head")
 LAYOUTS = ("HND", "NHD")
 
 
+@pytest.fixture(autouse=True)
+def kernel_skips_bad_slots(monkeypatch):
+    """make_slots puts slots past the cache on purpose: with value checks off (the GPU default) the
+    kernel must skip them; test_slot_past_the_cache_is_refused covers the checks themselves."""
+    monkeypatch.setenv("MM3_VALIDATE", "0")
+
+
 def make_cache(num_blocks, num_heads, head_dim, layout, dtype, device, seed=0):
     """Random contents; NHD is physical [nb, 128, Hkv, 2D] exposed as the logical [nb, Hkv, 128, 2D] view."""
     g = torch.Generator().manual_seed(seed)
@@ -230,7 +237,27 @@ BAD_INPUTS = [
     (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
           k_scale=lambda d: torch.ones(1, dtype=torch.float64, device=d), v_scale=lambda d: torch.ones(1, device=d)),
      TypeError, "k_scale: expected a float32"),
+    (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
+          k_scale=lambda d: torch.ones(1, device=d), v_scale=lambda d: torch.ones(2, 256, device=d)),
+     ValueError, r"k_scale/v_scale: both must be one element .* got \[1\] and \[2, 256\]"),
+    (_bad(slot_mapping=lambda d: torch.tensor([0, 9, 1, 9], dtype=torch.int64, device=d)[::2]),
+     ValueError, r"slot_mapping: expected a contiguous 1-D tensor \(stride 1\), got strides \(2,\)"),
+    (_bad(kv_cache=lambda d: torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16, device=d).expand(3, -1, -1, -1)),
+     ValueError, "kv_cache: a dim of stride 0 makes entries share memory"),
+    (_bad(key=lambda d: torch.zeros(2, 2, 64, device=d), value=lambda d: torch.zeros(2, 2, 64, device=d),
+          kv_cache=lambda d: torch.zeros(2, 2, 128, 128, device=d)),
+     TypeError, "kv_cache: a non-FP8 cache must be bfloat16 or float16"),
 ]  # fmt: skip
+
+
+def test_slot_past_the_cache_is_refused(device, monkeypatch):
+    """Where index values are checked (CPU by default, GPU with MM3_VALIDATE=1) a slot past the cache is an error."""
+    monkeypatch.setenv("MM3_VALIDATE", "1")
+    key = torch.zeros(2, 1, 64, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(2, 1, 128, 128, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="slot_mapping: slot 256 is outside the cache's 2 pages of 128"):
+        torch.ops.mm3.kv_cache_write(key, key, cache, torch.tensor([-1, 256], device=device))
+    assert not cache.any()
 
 
 @pytest.mark.parametrize("make, error, match", BAD_INPUTS)

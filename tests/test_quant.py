@@ -158,10 +158,12 @@ def test_opcheck(target, shape, device):
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda d: torch.randn(4, 48, device=d), ValueError, "x: the quantized width must be a multiple of 32"),
+        (lambda d: torch.randn(4, 48, device=d), ValueError, "x: the quantized width must be a positive multiple of 32"),
         (lambda d: torch.ones(4, 64, dtype=torch.int32, device=d), TypeError, "x: expected dtype"),
         (lambda d: torch.randn(64, 4, device=d).t(), ValueError, "x: the last dim must be contiguous"),
         (lambda d: torch.randn(4, 64, device=d).to(platform.FP8_E4M3_OCP), TypeError, "x: expected dtype"),
+        (lambda d: torch.randn(4, 0, device=d), ValueError, "x: the quantized width must be a positive multiple of 32, got 0"),
+        (lambda d: torch.tensor(1.0, device=d), ValueError, "x: expected at least 1 dims"),
     ],
 )
 def test_mxfp8_quantize_bad_input(make, error, match, device):
@@ -172,8 +174,15 @@ def test_mxfp8_quantize_bad_input(make, error, match, device):
 def test_swiglu_bad_input(device):
     with pytest.raises(ValueError, match="gate_up: the last dim must be 2\\*I"):
         torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(2, 65, device=device))
-    with pytest.raises(ValueError, match="gate_up: the quantized width must be a multiple of 32"):
+    with pytest.raises(ValueError, match="gate_up: the quantized width must be a positive multiple of 32"):
         torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(2, 96, device=device))
+    with pytest.raises(ValueError, match="gate_up: the quantized width must be a positive multiple of 32, got 0"):
+        torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(2, 0, device=device))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="limit: expected a clamp limit >= 0 or None"):
+            torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(2, 64, device=device), 1.702, 1.0, bad)
+    with pytest.raises(ValueError, match="alpha: expected a finite number"):
+        torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(2, 64, device=device), float("inf"), 1.0, 7.0)
 
 
 def test_no_fp8_platform_refuses(device):

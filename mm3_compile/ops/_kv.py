@@ -58,6 +58,11 @@ def kv_scale_mode(
             raise ValueError(f"{name}: expected a tensor on {device}, got {s.device}")
     if k_scale.numel() == 1 and v_scale.numel() == 1:
         return SCALE_SCALAR
+    if (k_scale.numel() == 1) != (v_scale.numel() == 1):
+        raise ValueError(
+            f"k_scale/v_scale: both must be one element (scalar mode) or both [Hkv, num_blocks*128] = "
+            f"{[num_kv_heads, num_slots]}; got {list(k_scale.shape)} and {list(v_scale.shape)}"
+        )
     expected = (num_kv_heads, num_slots)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if tuple(s.shape) != expected:

@@ -11,7 +11,16 @@ import torch
 
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.indexer import topk as kernels
-from mm3_compile.ops._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor
+from mm3_compile.ops._checks import (
+    FLOAT_DTYPES,
+    check_cu_seqlens_values,
+    check_index_vector,
+    check_last_dim_contiguous,
+    check_request_values,
+    check_same_device,
+    check_tensor,
+    values_checked,
+)
 from mm3_compile.ops._kv import PAGE_SIZE
 
 MIN_INDEX_DIM, MAX_INDEX_DIM = 16, 256  # tl.dot needs K >= 16; one page tile stays in registers up to 256
@@ -34,6 +43,8 @@ def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_len
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    check_index_vector("cu_seqlens_q", cu_seqlens_q)
+    check_index_vector("seq_lens", seq_lens)
     num_reqs = block_table.shape[0]
     if cu_seqlens_q.shape[0] != num_reqs + 1:
         raise ValueError(
@@ -56,6 +67,9 @@ def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_len
         raise ValueError(f"topk: expected >= 1, got {topk}")
     if init_blocks < 0 or local_blocks < 0:
         raise ValueError(f"init_blocks/local_blocks: expected >= 0, got {init_blocks}/{local_blocks}")
+    if values_checked(block_table, cu_seqlens_q, seq_lens):
+        q_lens = check_cu_seqlens_values(cu_seqlens_q, index_q.shape[0])
+        check_request_values(block_table, seq_lens, q_lens, index_k_cache.shape[0])
 
 
 @torch.library.custom_op("mm3::index_topk", mutates_args=())

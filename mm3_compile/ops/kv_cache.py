@@ -7,10 +7,18 @@ write, and the kernel writes through a view of the very tensor passed (never a c
 """
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.kv_cache import write as kernels
-from mm3_compile.ops._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_device, check_tensor
+from mm3_compile.ops._checks import (
+    FLOAT_DTYPES,
+    check_index_vector,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    values_checked,
+)
 from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
 
 HEAD_DIMS = (64, 128)
@@ -37,11 +45,19 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
             f"[num_blocks, {num_heads}, {PAGE_SIZE}, {2 * head_dim}], got {list(kv_cache.shape)}"
         )
     check_last_dim_contiguous("kv_cache", kv_cache)
+    if any(stride == 0 and guard_or_false(size > 1) for size, stride in zip(kv_cache.shape, kv_cache.stride())):
+        raise ValueError(
+            f"kv_cache: a dim of stride 0 makes entries share memory (an expanded tensor?), got strides "
+            f"{tuple(kv_cache.stride())}; pass a writable cache"
+        )
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1)
+    check_index_vector("slot_mapping", slot_mapping)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping: expected {num_tokens} slots (one per token), got {slot_mapping.shape[0]}")
     check_same_device("key", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
     cache, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, key.dtype)
+    if fmt is None and cache.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"kv_cache: a non-FP8 cache must be bfloat16 or float16 (what attention reads), got {cache.dtype}")
     if fmt is None and cache.dtype != key.dtype:
         # A bf16 <-> fp16/fp32 conversion would round here but not where the model wrote K/V; refuse it.
         raise TypeError(
@@ -49,6 +65,11 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
             f"got {key.dtype}"
         )
     scale_mode = kv_scale_mode(k_scale, v_scale, num_heads, kv_cache.shape[0] * PAGE_SIZE, key.device)
+    if values_checked(slot_mapping) and (slot_mapping >= kv_cache.shape[0] * PAGE_SIZE).any():
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {kv_cache.shape[0]} pages of "
+            f"{PAGE_SIZE} (negative slots mark padding)"
+        )
     return cache, fmt, scale_mode
 
 
@@ -64,7 +85,8 @@ def kv_cache_write(
 ) -> None:
     """key/value [num_tokens, Hkv, D] -> kv_cache [num_blocks, Hkv, 128, 2D] at slot = page*128 + offset.
 
-    Slots < 0 (padding) and slots >= num_blocks*128 are skipped: nothing is written for them.
+    Slots < 0 (padding) are skipped; a slot >= num_blocks*128 is an error where index values are
+    checked (see ``mm3_compile.ops._checks``) and is never written.
     FP8 specs store ``x / scale`` (scalar or per (head, slot) ``[Hkv, num_blocks*128]``) rounded to
     nearest-even and saturated, in the flavour the authority gives for the cache's device.
     bf16/fp16 caches store key/value unchanged (same dtype required; scales are not applied).

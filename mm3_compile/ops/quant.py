@@ -5,18 +5,19 @@ asked in the real implementation and in the fake alike (so under torch.compile: 
 """
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device
 from mm3_compile.kernels.mxfp8 import quant as kernels
-from mm3_compile.ops._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_tensor
+from mm3_compile.ops._checks import FLOAT_DTYPES, check_finite, check_last_dim_contiguous, check_tensor
 from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE
 
 
 def _check_mx_input(name: str, x: torch.Tensor, width: int) -> None:
     check_tensor(name, x, dtypes=FLOAT_DTYPES, min_ndim=1)
-    if width % MX_BLOCK_SIZE != 0:
-        raise ValueError(f"{name}: the quantized width must be a multiple of {MX_BLOCK_SIZE}, got {width}")
+    if width % MX_BLOCK_SIZE != 0 or guard_or_false(width == 0):
+        raise ValueError(f"{name}: the quantized width must be a positive multiple of {MX_BLOCK_SIZE}, got {width}")
     check_last_dim_contiguous(name, x)
 
 
@@ -32,6 +33,7 @@ def _mx_outputs_like(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
 @torch.library.custom_op("mm3::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (values [..., K] in the platform MXFP8 dtype, scales [..., K/32] float8_e8m0fnu)."""
+    check_tensor("x", x, min_ndim=1)
     _check_mx_input("x", x, x.shape[-1])
     require_kernel_device("x", x)
     fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
@@ -41,11 +43,16 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @mxfp8_quantize.register_fake
 def _(x):
+    check_tensor("x", x, min_ndim=1)
     _check_mx_input("x", x, x.shape[-1])
     return _mx_outputs_like(x, x.shape[-1])
 
 
-def _check_gate_up(gate_up: torch.Tensor) -> None:
+def _check_gate_up(gate_up: torch.Tensor, alpha: float, beta: float, limit: float | None) -> None:
+    check_finite("alpha", alpha)
+    check_finite("beta", beta)
+    if limit is not None and not limit >= 0.0:  # also refuses NaN
+        raise ValueError(f"limit: expected a clamp limit >= 0 or None, got {limit}")
     check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES, min_ndim=1)
     if gate_up.shape[-1] % 2 != 0:
         raise ValueError(f"gate_up: the last dim must be 2*I (gate then up), got {gate_up.shape[-1]}")
@@ -57,7 +64,7 @@ def swiglu_oai_mxfp8_quant(
     gate_up: torch.Tensor, alpha: float = 1.702, beta: float = 1.0, limit: float | None = 7.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [..., 2I] -> MXFP8 of ``min(g, limit) * sigmoid(alpha*g) * (clamp(u, +-limit) + beta)``."""
-    _check_gate_up(gate_up)
+    _check_gate_up(gate_up, alpha, beta, limit)
     require_kernel_device("gate_up", gate_up)
     fmt = platform.fp8_format(platform.mxfp8_value_dtype(gate_up.device))
     with eager_launches():
@@ -66,5 +73,5 @@ def swiglu_oai_mxfp8_quant(
 
 @swiglu_oai_mxfp8_quant.register_fake
 def _(gate_up, alpha=1.702, beta=1.0, limit=7.0):
-    _check_gate_up(gate_up)
+    _check_gate_up(gate_up, alpha, beta, limit)
     return _mx_outputs_like(gate_up, gate_up.shape[-1] // 2)

@@ -6,24 +6,36 @@ and in the fake alike.  K/V scales apply to FP8 caches only (bf16/fp16 caches ar
 """
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
-from mm3_compile.ops._checks import check_last_dim_contiguous, check_same_device, check_tensor
+from mm3_compile.ops._checks import (
+    check_cu_seqlens_values,
+    check_finite,
+    check_index_vector,
+    check_last_dim_contiguous,
+    check_request_values,
+    check_same_device,
+    check_tensor,
+    values_checked,
+)
 from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 
 
-def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale):
+def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale):
     """Validation shared by both ops; returns (typed cache view, FP8 format or None, scale mode)."""
+    check_finite("sm_scale", sm_scale)
     check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3)
     check_tensor("kv_cache", kv_cache, ndim=4)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=3)
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    check_index_vector("seq_lens", seq_lens)
     check_same_device("q", q, kv_cache=kv_cache, topk_idx=topk_idx, block_table=block_table, seq_lens=seq_lens)
     total_q, Hq, D = q.shape
     if D not in HEAD_DIMS:
@@ -54,25 +66,36 @@ def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, 
     return view, fmt, scale_mode
 
 
-def _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale):
-    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+def _check_prefill(
+    q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
+):
+    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
+    check_index_vector("cu_seqlens_q", cu_seqlens_q)
     check_same_device("q", q, cu_seqlens_q=cu_seqlens_q)
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(
             f"cu_seqlens_q: expected num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got {cu_seqlens_q.shape[0]}"
         )
+    if guard_or_false(seq_lens.shape[0] == 0) and guard_or_false(q.shape[0] != 0):
+        raise ValueError(f"seq_lens: a prefill of total_q={q.shape[0]} tokens needs at least one request, got 0")
+    if values_checked(block_table, cu_seqlens_q, seq_lens):
+        q_lens = check_cu_seqlens_values(cu_seqlens_q, q.shape[0])
+        check_request_values(block_table, seq_lens, q_lens, kv_cache.shape[0])
     return checked
 
 
-def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale):
-    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale):
+    checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
     num_reqs, total_q = seq_lens.shape[0], q.shape[0]
     if num_reqs == 0 or total_q % num_reqs != 0:
         raise ValueError(
             f"q: uniform decode needs total_q ({total_q}) to be a positive multiple of num_reqs ({num_reqs}, "
             "the length of seq_lens)"
         )
+    if values_checked(block_table, seq_lens):
+        q_lens = torch.full_like(seq_lens, total_q // num_reqs)
+        check_request_values(block_table, seq_lens, q_lens, kv_cache.shape[0])
     return checked
 
 
@@ -92,7 +115,7 @@ def sparse_attn_prefill(
     """q [total_q, Hq, D] packed by cu_seqlens_q -> [total_q, Hq, D]; query i of request r sits at
     p = seq_lens[r] - q_len_r + i and attends to keys j <= p of its first min(T, p // 128 + 1) top-k blocks."""
     view, fmt, scale_mode = _check_prefill(
-        q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale
+        q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
     require_kernel_device("q", q)
     with eager_launches():
@@ -106,7 +129,7 @@ def _(
     q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale,
     kv_cache_dtype="auto", k_scale=None, v_scale=None,
 ):  # fmt: skip
-    _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -125,7 +148,7 @@ def sparse_attn_decode(
     """Uniform decode: q [num_reqs * q_per_req, Hq, D] -> [total_q, Hq, D]; token b is offset b % q_per_req
     of request b // q_per_req at p = seq_len - q_per_req + offset; seq_len 0 (padding) gives zeros."""
     view, fmt, scale_mode = _check_decode(
-        q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale
+        q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
     require_kernel_device("q", q)
     with eager_launches():
@@ -136,5 +159,5 @@ def sparse_attn_decode(
 
 @sparse_attn_decode.register_fake
 def _(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None):
-    _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, kv_cache_dtype, k_scale, v_scale)
+    _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
