@@ -70,6 +70,7 @@ def cpu_run(tmp_path_factory):
     return out, readme, rows, proc.stdout
 
 
+@pytest.mark.interpreter
 def test_cpu_run_writes_every_family_and_provider(cpu_run):
     out, _, rows, stdout = cpu_run
     assert EXPECTED_COLUMNS <= set(rows[0].keys())
@@ -95,6 +96,7 @@ def test_cpu_run_writes_every_family_and_provider(cpu_run):
     assert "TARGETS" in stdout and stdout.rstrip().endswith(targets.rstrip().splitlines()[-1])
 
 
+@pytest.mark.interpreter
 def test_readme_section_is_replaced_in_place(cpu_run):
     out, readme, _rows, _ = cpu_run
     text = readme.read_text()

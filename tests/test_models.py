@@ -77,6 +77,7 @@ def test_reference_block_selection_rules():
     assert got.tolist() == [[[3, 1, 0], [0, -1, -1]]]
 
 
+@pytest.mark.interpreter
 def test_routing_and_mxfp8_weights_match_reference():
     logits = torch.tensor([[0.0, 2.0, -1.0, 1.0, 3.0]])
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0])
@@ -136,11 +137,13 @@ def _run_chunk_then_decode(kv_cache_dtype, backend=None, decode_steps=2, seed=0)
     return run
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_eager_model_matches_reference(kv_cache_dtype):
     _run_chunk_then_decode(kv_cache_dtype)
 
 
+@pytest.mark.interpreter
 def test_eager_model_matches_reference_emulated_gfx942_fp8():
     """FNUZ platform: e4m3fnuz KV bytes and MXFP8 weights re-encoded by the authority, same numerics."""
     with platform.emulate("gfx942"):
@@ -148,6 +151,7 @@ def test_eager_model_matches_reference_emulated_gfx942_fp8():
         assert run.runtime.storage_dtype == torch.float8_e4m3fnuz and run.runtime.caches[0][0].dtype == torch.uint8
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_aot_eager_compiled_model_matches_reference_without_recompiles(kv_cache_dtype):
     counters.clear()
@@ -162,6 +166,7 @@ def test_aot_eager_compiled_model_matches_reference_without_recompiles(kv_cache_
     assert counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.interpreter
 def test_inductor_compiled_model_matches_reference_fp8():
     counters.clear()
     run = _run_chunk_then_decode("fp8", backend="inductor", decode_steps=1)
@@ -170,6 +175,7 @@ def test_inductor_compiled_model_matches_reference_fp8():
         _check_step(run, run.decode, [1, 1])
 
 
+@pytest.mark.interpreter
 def test_demo_workload_api_eager_vs_compiled_vs_reference():
     """The lead's demo path: prompts from scratch, decode steps, eager and compiled, compared."""
     cfg = MiniMaxM3Config.tiny()

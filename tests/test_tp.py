@@ -70,6 +70,7 @@ def _rank_main(rank, world, init_file, out_file, config_name):
         dist.destroy_process_group()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_tp2_matches_tp1(config_name):
     config = MiniMaxM3Config.tiny(**CONFIGS[config_name])
