@@ -99,6 +99,7 @@ def _check_step(run, fn, q_lens):
     expected = run.ref.step(ids, q_lens, forced=hiddens)
     errors = sub_block_errors(hiddens, expected, hiddens)
     assert max(errors) < TOL, errors
+    assert max(errors[1::2]) <= run.mlp_tol, errors  # MLP/MoE sub-blocks: the same quantization points
     for margin in expected.route_margin.values():  # the routing-tie exclusion must not hollow out the check
         assert (margin < ROUTING_TIE).float().mean() <= 0.25
     assert topk_set_mismatches(topk, expected.topk) == 0
@@ -128,6 +129,8 @@ def _run_chunk_then_decode(kv_cache_dtype, backend=None, decode_steps=2, seed=0)
         runtime=PagedKVRuntime(model, num_blocks=12, max_blocks_per_request=4, kv_cache_dtype=kv_cache_dtype),
         ref=ReferenceModel(cfg, state, model.dtype, kv_cache_dtype),
         gen=torch.Generator().manual_seed(seed + 1),
+        # MLP/MoE on CPU without Inductor: the reference's quantization points and fp32 math, measured 0 error
+        mlp_tol=1e-3 if backend in (None, "aot_eager") else TOL,
     )
     run.prefill, run.decode = compile_model(model, backend) if backend else (model.prefill, model.decode)
     _start(run, PREFIX)
@@ -148,7 +151,9 @@ def test_eager_model_matches_reference_emulated_gfx942_fp8():
     """FNUZ platform: e4m3fnuz KV bytes and MXFP8 weights re-encoded by the authority, same numerics."""
     with platform.emulate("gfx942"):
         run = _run_chunk_then_decode("fp8", decode_steps=1)
-        assert run.runtime.storage_dtype == torch.float8_e4m3fnuz and run.runtime.caches[0][0].dtype == torch.uint8
+        assert run.runtime.storage_dtype == torch.float8_e4m3fnuz and run.runtime.caches[0][0].dtype == torch.float8_e4m3fnuz
+    with pytest.raises(TypeError, match="float8_e4m3fnuz"):  # read under OCP answers: refused, not reinterpreted
+        run.decode(torch.zeros(2, dtype=torch.long), run.runtime.extend([1, 1]), run.runtime.caches)
 
 
 @pytest.mark.interpreter
@@ -192,7 +197,12 @@ def test_demo_workload_api_eager_vs_compiled_vs_reference():
         assert torch.equal(a.logits, b.logits) and all(torch.equal(x, y) for x, y in zip(a.topk, b.topk))
     report = compare_with_reference(eager, cfg, state, model.dtype, "fp8")
     assert report.worst_sub_block < TOL and sum(report.topk_mismatch) == 0
-    assert len(report.logits_max_err) == 3
+    # Free running, differences compound: an accumulation-order change moves some MXFP8 activation codes
+    # and, for a near-tied router, a token's experts.  Measured: median token 1.3-1.7% of the max logit,
+    # 2 of 149 prefill tokens at 21-25%, where the MoE layer output differs by ~30% (an expert swap).
+    assert len(report.logits_token_err) == 3
+    for err in report.logits_token_err:
+        assert err.median() < 0.03 and (err > 0.05).float().mean() <= 1 / 16, err
 
 
 @pytest.mark.gpu
@@ -208,6 +218,7 @@ def test_m3_1layer_real_widths_match_reference(device, kv_cache_dtype, backend):
         runtime=PagedKVRuntime(model, num_blocks=64, max_blocks_per_request=32, kv_cache_dtype=kv_cache_dtype),
         ref=ReferenceModel(cfg, state, model.dtype, kv_cache_dtype, device),
         gen=torch.Generator().manual_seed(1),
+        mlp_tol=TOL,
     )
     del state
     run.prefill, run.decode = compile_model(model, backend) if backend else (model.prefill, model.decode)

@@ -143,7 +143,7 @@ def test_swiglu_oai_mxfp8_alpha_beta_3d(target, device):
     assert values.shape == (2, 3, 64) and scales.shape == (2, 3, 2)
     assert_bits_equal(scales, ref_scales)
     diff = (values.view(torch.uint8).cpu().int() - ref_values.view(torch.uint8).cpu().int()).abs()
-    assert diff.max() <= 1
+    assert diff.max() <= 1 and (diff > 0).sum() <= 1  # 384 values: at most one sigmoid-ulp code flip
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (17, 32), (2, 4, 96)])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mm3_compile.models import MiniMaxM3Config, PagedKVRuntime, build_model, compile_model, random_full_state
-from mm3_compile.models.reference import ReferenceModel, sub_block_errors
+from mm3_compile.models.reference import ROUTING_TIE, ReferenceModel, sub_block_errors
 from mm3_compile.models.tp import HeadShard, TPInfo, split_count
 
 PREFIX = [300, 150]
@@ -50,7 +50,11 @@ def _workload(config, group, backend=None):
             logits, hiddens, topk = fn(ids, runtime.extend(q_lens), runtime.caches)
             expected = ref.step(ids, q_lens, forced=hiddens)
             errors = sub_block_errors(hiddens, expected, hiddens)
-            outputs.append(dict(logits=logits, hiddens=hiddens, topk=topk, errors=errors))
+            # tokens whose router has a near-tie in some MoE layer (another bf16 rounding may swap an expert)
+            ambiguous = torch.zeros(sum(q_lens), dtype=torch.bool)
+            for margin in expected.route_margin.values():
+                ambiguous |= margin.cpu() < ROUTING_TIE
+            outputs.append(dict(logits=logits, hiddens=hiddens, topk=topk, errors=errors, ambiguous=ambiguous))
     all_reduces = [sum("all_reduce" in str(n.target) for n in gm.graph.nodes) for gm in graphs]
     return outputs, all_reduces
 
@@ -84,16 +88,17 @@ def test_tp2_matches_tp1(config_name):
     rank0 = HeadShard.for_rank(config.num_attention_heads, config.num_key_value_heads, TPInfo(0, 2))
     for run in (tp2["eager"], tp2["compiled"]):
         for got, want in zip(run, tp1):
-            # the sharded model is as close to the reference as the unsharded one
-            assert max(got["errors"]) < 5e-2, got["errors"]
+            # the sharded model is as close to the reference as the unsharded one (teacher forced)
+            assert max(got["errors"]) <= max(want["errors"]) + 1e-2, (got["errors"], want["errors"])
             for a, b in zip(got["topk"], want["topk"]):  # rank 0's index heads are the TP1 heads it keeps
                 b = b.narrow(0, rank0.kv_start, rank0.num_kv_heads)
                 assert torch.equal(a.sort(-1).values, b.sort(-1).values)
-            # bf16 partial sums reduce in another order; routing and MXFP8 rounding are discontinuous, so a
-            # near-tie can flip for a token: allow that for one token in eight, the rest must agree closely
+            # bf16 partial sums reduce in another order: a few bf16 ulps of the logits.  Routing is
+            # discontinuous, so only a token with a near-tied router (see ROUTING_TIE) may differ by more.
             per_token = (got["logits"] - want["logits"]).abs().amax(-1) / want["logits"].abs().max()  # [T]
-            assert (per_token > 5e-2).sum() <= max(1, per_token.numel() // 8), per_token
-            assert per_token.median() < 3e-2, per_token  # a few bf16 ulps of the logits
+            settled = ~(got["ambiguous"] | want["ambiguous"])
+            assert (per_token[settled] < 5e-2).all(), (per_token, settled)
+            assert settled.float().mean() >= 0.5 and per_token.median() < 3e-2, (per_token, settled)
 
 
 def test_head_sharding_rules():

@@ -169,7 +169,7 @@ class MXFP8MLP(nn.Module):
     def __init__(self, config: MiniMaxM3Config, intermediate: int, tp: TPInfo, dtype, device):
         super().__init__()
         self.config, self.tp, self.dtype = config, tp, dtype
-        local = tpmod.split_count(intermediate, tp, "intermediate size")
+        local = tpmod.split_count(intermediate, tp, "intermediate size", multiple=MX_BLOCK_SIZE)
         self.gate_up = MXFP8Weight((2 * local, config.hidden_size), device)
         self.down = MXFP8Weight((config.hidden_size, local), device)
 
@@ -236,7 +236,7 @@ class M3Attention(nn.Module):
         cos: torch.Tensor,  # [T, rotary_dim / 2] fp32
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, Hkv, 128, 2D] (mutated)
-        index_cache: torch.Tensor | None,  # [num_blocks + 1, 128, Didx] (mutated; last page = scratch)
+        index_cache: torch.Tensor | None,  # [num_blocks, 1, 128, Didx] (mutated): one shared index-K head
         decode: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -253,9 +253,9 @@ class M3Attention(nn.Module):
         if self.sparse:
             index_q = norm_rope(parts[3].view(T, hkv, Didx), self.index_q_norm.weight, eps, cos, sin)  # [T, Hidx, Didx]
             index_k = norm_rope(parts[4].view(T, 1, Didx), self.index_k_norm.weight, eps, cos, sin)  # [T, 1, Didx]
-            write_index_cache(index_cache, index_k.view(T, Didx), meta.slot_mapping)
+            write_index_cache(index_cache, index_k, meta.slot_mapping)
             topk_idx = torch.ops.mm3.index_topk(
-                index_q, index_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
+                index_q, index_cache.squeeze(1), meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
                 cfg.sparse_topk_blocks, cfg.sparse_init_blocks, cfg.sparse_local_blocks,
             )  # [Hkv, T, topk] int32  # fmt: skip
         else:
@@ -278,10 +278,13 @@ class M3Attention(nn.Module):
 
 
 def write_index_cache(index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """index_cache[slot // 128, slot % 128] = index_k (rows with slot < 0 land in the trailing scratch page)."""
-    scratch_slot = (index_cache.shape[0] - 1) * PAGE_SIZE
-    slots = torch.where(slot_mapping >= 0, slot_mapping, scratch_slot)  # [T]
-    index_cache.index_put_((slots // PAGE_SIZE, slots % PAGE_SIZE), index_k.to(index_cache.dtype))
+    """index_k [T, 1, Didx] -> index_cache [num_blocks, 1, 128, Didx] through ``mm3::kv_cache_write``.
+
+    The op stores a row as [key | value]: the two halves of the index key are its "key" and "value"
+    (one head of width Didx = 2 * Didx/2), so padding slots (< 0) are skipped the same way as in the KV cache.
+    """
+    half = index_k.shape[-1] // 2
+    torch.ops.mm3.kv_cache_write(index_k[..., :half], index_k[..., half:], index_cache, slot_mapping, "auto")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,7 +308,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         E, H = config.num_experts, config.hidden_size
-        local = tpmod.split_count(config.moe_intermediate_size, tp, "moe_intermediate_size")
+        local = tpmod.split_count(config.moe_intermediate_size, tp, "moe_intermediate_size", multiple=MX_BLOCK_SIZE)
         self.gate_up = MXFP8Weight((E, 2 * local, H), device)
         self.down = MXFP8Weight((E, H, local), device)
 

@@ -263,6 +263,7 @@ class Comparison:
     """Errors of an op-model run against the reference, per step."""
 
     logits_max_err: list[float]  # end to end (reference chained on its own outputs)
+    logits_token_err: list[torch.Tensor]  # the same per token [T], over the step's max |reference logit|
     sub_block_max_err: list[list[float]]  # teacher forced, per step per sub-block, relative to the block's update
     topk_mismatch: list[int]  # teacher-forced selections that differ (as sets), per step
 
@@ -323,12 +324,14 @@ def compare_with_reference(
     and free running) and collect the errors."""
     forced_ref = ReferenceModel(config, state, model_dtype, kv_cache_dtype, device)
     free_ref = ReferenceModel(config, state, model_dtype, kv_cache_dtype, device)
-    logits_err, block_err, mismatch = [], [], []
+    logits_err, token_err, block_err, mismatch = [], [], [], []
     for step in result.steps:
         ids = step.input_ids
         tf = forced_ref.step(ids, step.q_lens, forced=step.hiddens)
         free = free_ref.step(ids, step.q_lens)
-        logits_err.append((step.logits - free.logits.cpu()).abs().max().item())
+        diff = (step.logits - free.logits.cpu()).abs()  # [T, V]
+        logits_err.append(diff.max().item())
+        token_err.append(diff.amax(-1) / free.logits.abs().max().cpu())
         block_err.append(sub_block_errors(step.hiddens, tf, step.hiddens))
         mismatch.append(topk_set_mismatches(step.topk, tf.topk))
-    return Comparison(logits_err, block_err, mismatch)
+    return Comparison(logits_err, token_err, block_err, mismatch)

@@ -25,8 +25,9 @@ class PagedKVRuntime:
     """Paged caches for every attention layer of ``model`` and the block tables of a batch of requests.
 
     * main cache per layer: ``[num_blocks, Hkv_local, 128, 2*D]`` in the dtype the authority resolves for
-      ``kv_cache_dtype`` on the model's device; FP8 caches are allocated as uint8 bytes (the ops view them).
-    * index-K cache per sparse layer: ``[num_blocks + 1, 128, Didx]`` bf16 (last page: scratch for padding).
+      ``kv_cache_dtype`` on the model's device, FP8 caches typed in the authority's flavour (so the ops
+      refuse them where the authority answers another flavour, e.g. after switching emulation targets).
+    * index-K cache per sparse layer: ``[num_blocks, 1, 128, Didx]`` in the model dtype (one shared head).
     Both caches of a layer use the same pages (one block table, one slot mapping).
     """
 
@@ -42,15 +43,15 @@ class PagedKVRuntime:
         self.model_dtype, self.device = model.dtype, model.device
         self.kv_cache_dtype = kv_cache_dtype
         self.storage_dtype = platform.resolve_kv_cache_dtype(kv_cache_dtype, self.device, model.dtype)
-        alloc_dtype = torch.uint8 if platform.is_fp8(self.storage_dtype) else self.storage_dtype
         self.num_blocks, self.max_blocks_per_request = num_blocks, max_blocks_per_request
         self.caches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for layer in model.layers:
             hkv = layer.attn.heads.num_kv_heads
-            kv = torch.zeros(num_blocks, hkv, PAGE_SIZE, 2 * cfg.head_dim, dtype=alloc_dtype, device=self.device)
+            # typed in the authority's FP8 flavour (not bytes): the ops then refuse a cache of another flavour
+            kv = torch.zeros(num_blocks, hkv, PAGE_SIZE, 2 * cfg.head_dim, dtype=self.storage_dtype, device=self.device)
             index = None
             if layer.sparse:
-                index_shape = (num_blocks + 1, PAGE_SIZE, cfg.index_head_dim)
+                index_shape = (num_blocks, 1, PAGE_SIZE, cfg.index_head_dim)
                 index = torch.zeros(index_shape, dtype=model.dtype, device=self.device)
             self.caches.append((kv, index))
         self._rng = random.Random(seed)
@@ -145,7 +146,7 @@ class PagedKVRuntime:
             torch.ops.mm3.kv_cache_write(k.contiguous(), v.contiguous(), kv, meta.slot_mapping, self.kv_cache_dtype)
             if index is not None:
                 ik = torch.cat([h["ik"] for h in per_request if h["ik"] is not None])
-                write_index_cache(index, ik.to(self.device, self.model_dtype), meta.slot_mapping)
+                write_index_cache(index, ik.to(self.device, self.model_dtype)[:, None], meta.slot_mapping)
 
 
 @dataclasses.dataclass

@@ -16,12 +16,11 @@ Inductor schedules its wait.
 
 Running on GPUs with NCCL (one process per GPU, e.g. ``torchrun --nproc-per-node 8 script.py``)::
 
-    import torch, torch.distributed as dist
+    import os, torch, torch.distributed as dist
     from mm3_compile.models import MiniMaxM3Config, build_model, PagedKVRuntime, run_demo_workload
 
     dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the GPU of this process on its node
     config = MiniMaxM3Config.m3_1layer()
     # every rank builds the same full random weights from the seed and keeps its shard
     model = build_model(config, seed=0, device="cuda", dtype=torch.bfloat16, group=dist.group.WORLD)
@@ -63,9 +62,14 @@ class TPInfo:
         return funcol.all_reduce(x, "sum", self.group)
 
 
-def split_count(total: int, tp: TPInfo, what: str) -> int:
-    if total % tp.size:
-        raise ValueError(f"{what} ({total}) must be divisible by the tensor-parallel size ({tp.size})")
+def split_count(total: int, tp: TPInfo, what: str, multiple: int = 1) -> int:
+    """This rank's share of ``total``; it must come out a multiple of ``multiple`` (MXFP8 blocks: 32)."""
+    if total % (tp.size * multiple):
+        raise ValueError(
+            f"{what} ({total}) must split into tensor-parallel shares ({tp.size}) that are multiples of {multiple}"
+            if multiple > 1
+            else f"{what} ({total}) must be divisible by the tensor-parallel size ({tp.size})"
+        )
     return total // tp.size
 
 

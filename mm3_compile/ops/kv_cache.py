@@ -21,7 +21,7 @@ from mm3_compile.ops._checks import (
 )
 from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention ops read D 64/128; the index-K cache is written as two halves
 
 
 def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
