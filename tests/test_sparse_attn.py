@@ -258,7 +258,8 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     assert_close(out, ref, torch.bfloat16, f"{num_splits} splits, {block_q} tokens per program")
 
 
-def test_split_plan_uses_shapes_only():
+def test_split_plan_fills_the_target_grid():
+    """Splits grow until (tokens x KV heads x splits) reaches the device's target program count, at most T."""
     cpu = torch.device("cpu")
     assert decode_kernels.split_plan(1, 1, 16, cpu) == (8, 2)  # 8 programs in the interpreter
     assert decode_kernels.split_plan(1000, 4, 16, cpu) == (1, 16)
