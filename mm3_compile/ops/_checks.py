@@ -16,6 +16,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from mm3_compile.ops._kv import PAGE_SIZE
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -65,7 +67,7 @@ def check_request_values(
 ) -> None:
     """Per request: 0 (padding) or q_len <= seq_len <= the table's reach, and every visible page in the cache."""
     seq_lens, q_lens, block_table = seq_lens.cpu().long(), q_lens.cpu().long(), block_table.cpu()
-    reach = block_table.shape[1] * 128
+    reach = block_table.shape[1] * PAGE_SIZE
     bad = ((seq_lens != 0) & (seq_lens < q_lens)) | (seq_lens < 0) | (seq_lens > reach)
     if bad.any():
         r = int(bad.nonzero()[0])
@@ -73,7 +75,7 @@ def check_request_values(
             f"seq_lens: request {r} has seq_len {int(seq_lens[r])}; expected 0 (padding) or between its "
             f"{int(q_lens[r])} new tokens and the block table's reach ({block_table.shape[1]} blocks = {reach} tokens)"
         )
-    visible = torch.arange(block_table.shape[1])[None, :] * 128 < seq_lens[:, None]  # [num_reqs, max_blocks]
+    visible = torch.arange(block_table.shape[1])[None, :] * PAGE_SIZE < seq_lens[:, None]  # [num_reqs, max_blocks]
     out = visible & ((block_table < 0) | (block_table >= num_blocks))
     if out.any():
         r, b = (int(i) for i in out.nonzero()[0])
