@@ -30,7 +30,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
       echo "ROCm GPU found: install a ROCm build of torch 2.11-2.15 into .venv (see pytorch.org), then rerun" >&2
       exit 1
     else
-      .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+      # a local/configured wheel first; else PyTorch's CPU index (PyPI's torch is the CUDA build)
+      .venv/bin/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null ||
+        .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
   fi
   .venv/bin/python -m pip install -q -e ".[test]"
