@@ -24,6 +24,8 @@ torch_fits() {
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ] || ! torch_fits; then
   .venv/bin/python -m pip install -q --upgrade pip
   if ! torch_fits; then
+    # a torch that cannot see this machine's GPU (a +cpu build) would satisfy any version pin: replace it
+    .venv/bin/python -m pip uninstall -q -y torch 2>/dev/null || true
     if has_nvidia; then
       .venv/bin/python -m pip install -q "torch>=2.11,<2.16"
     elif has_rocm; then

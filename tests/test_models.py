@@ -59,6 +59,8 @@ def test_config_real_values_and_tiny_structure():
         MiniMaxM3Config.tiny(num_index_heads=1)
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         MiniMaxM3Config.tiny(num_attention_heads=5)
+    with pytest.raises(ValueError, match="index_head_dim must be 32, 64, 128 or 256, got 48"):
+        MiniMaxM3Config.tiny(index_head_dim=48)
     with pytest.raises(ValueError, match="multiple of 32"):
         MiniMaxM3Config.tiny(moe_intermediate_size=48)
 

@@ -55,6 +55,9 @@ class MiniMaxM3Config:
         for name in ("moe_intermediate_size", "shared_intermediate_size", "dense_intermediate_size", "hidden_size"):
             if getattr(self, name) % 32:
                 raise ValueError(f"{name} must be a multiple of 32 (MXFP8 blocks), got {getattr(self, name)}")
+        if self.index_head_dim not in (32, 64, 128, 256):
+            # index_topk reads 16..256; the cache write stores each row as two power-of-two halves
+            raise ValueError(f"index_head_dim must be 32, 64, 128 or 256, got {self.index_head_dim}")
         if self.num_shared_experts not in (0, 1):
             raise ValueError("num_shared_experts must be 0 or 1")
 

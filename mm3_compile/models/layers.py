@@ -12,9 +12,9 @@ Design choices worth knowing:
   kernels as the sparse layers, with a block list naming every block (``arange(max_blocks)``): the kernels
   clip each query to its ``p // 128 + 1`` visible blocks, so that is exact causal attention, and FP8 KV
   works for dense layers too.
-* The index-K cache (bf16, one shared head) is written with ``index_put_`` on the cache itself.  It has one
-  trailing scratch page (``num_blocks + 1`` pages) that absorbs the writes of padding tokens (slot < 0),
-  so the write needs no data-dependent shapes; block tables never name that page.
+* The index-K cache (model dtype, one shared head, ``[num_blocks, 1, 128, Didx]``) is written with
+  ``mm3::kv_cache_write`` like the main cache: the two halves of a row are the op's key and value, and
+  padding tokens (slot < 0) are skipped by the op.
 * MoE dispatch is static-shape and gather-based: the ``T * top_k`` (token, expert) pairs are sorted by
   expert and run through ``torch._grouped_mm`` with per-expert offsets computed on device (a bf16
   CUTLASS grouped GEMM on sm90, a loop of GEMMs elsewhere).  Expert weights are stored MXFP8 (values +
