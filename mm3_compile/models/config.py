@@ -55,9 +55,12 @@ class MiniMaxM3Config:
         for name in ("moe_intermediate_size", "shared_intermediate_size", "dense_intermediate_size", "hidden_size"):
             if getattr(self, name) % 32:
                 raise ValueError(f"{name} must be a multiple of 32 (MXFP8 blocks), got {getattr(self, name)}")
-        if self.index_head_dim not in (32, 64, 128, 256):
-            # index_topk reads 16..256; the cache write stores each row as two power-of-two halves
-            raise ValueError(f"index_head_dim must be 32, 64, 128 or 256, got {self.index_head_dim}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128 (the attention kernels' tiles), got {self.head_dim}")
+        if self.index_head_dim != self.head_dim:
+            # the fused projection is viewed as heads of one width (M3: 128 and 128); a split of differently
+            # wide parts would need views of non-contiguous slices, which guard on the token count
+            raise ValueError(f"index_head_dim must equal head_dim ({self.head_dim}), got {self.index_head_dim}")
         if self.num_shared_experts not in (0, 1):
             raise ValueError("num_shared_experts must be 0 or 1")
 

@@ -195,10 +195,11 @@ class M3Attention(nn.Module):
         self.heads = HeadShard.for_rank(config.num_attention_heads, config.num_key_value_heads, tp)
         D, Didx = config.head_dim, config.index_head_dim
         hq, hkv = self.heads.num_q_heads, self.heads.num_kv_heads
-        # packed row [q | k | v | index_q | index_k]; index heads follow the KV heads, index-K is one shared head
-        self.split_sizes = [hq * D, hkv * D, hkv * D] + ([hkv * Didx, Didx] if sparse else [])
+        # packed row [q | k | v | index_q | index_k] in heads of width D (= Didx, see the config); index heads
+        # follow the KV heads, index-K is one shared head
+        self.head_splits = [hq, hkv, hkv] + ([hkv, 1] if sparse else [])
         self.qkv_weight = nn.Parameter(
-            torch.zeros(sum(self.split_sizes), config.hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.zeros(sum(self.head_splits) * D, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.o_weight = nn.Parameter(
             torch.zeros(config.hidden_size, hq * D, dtype=dtype, device=device), requires_grad=False
@@ -241,18 +242,19 @@ class M3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         T = x.shape[0]
-        D, Didx = cfg.head_dim, cfg.index_head_dim
+        D = cfg.head_dim
         hq, hkv = self.heads.num_q_heads, self.heads.num_kv_heads
         eps = cfg.rms_norm_eps
-        parts = F.linear(x, self.qkv_weight).split(self.split_sizes, dim=-1)
-        q = norm_rope(parts[0].view(T, hq, D), self.q_norm.weight, eps, cos, sin)  # [T, hq, D]
-        k = norm_rope(parts[1].view(T, hkv, D), self.k_norm.weight, eps, cos, sin)  # [T, hkv, D]
-        v = parts[2].view(T, hkv, D)  # V gets neither norm nor RoPE
+        # view the contiguous projection as heads, then split: a view of a split slice would guard on T
+        parts = F.linear(x, self.qkv_weight).view(T, -1, D).split(self.head_splits, dim=1)
+        q = norm_rope(parts[0], self.q_norm.weight, eps, cos, sin)  # [T, hq, D]
+        k = norm_rope(parts[1], self.k_norm.weight, eps, cos, sin)  # [T, hkv, D]
+        v = parts[2]  # V gets neither norm nor RoPE
         torch.ops.mm3.kv_cache_write(k, v, kv_cache, meta.slot_mapping, meta.kv_cache_dtype)
 
         if self.sparse:
-            index_q = norm_rope(parts[3].view(T, hkv, Didx), self.index_q_norm.weight, eps, cos, sin)  # [T, Hidx, Didx]
-            index_k = norm_rope(parts[4].view(T, 1, Didx), self.index_k_norm.weight, eps, cos, sin)  # [T, 1, Didx]
+            index_q = norm_rope(parts[3], self.index_q_norm.weight, eps, cos, sin)  # [T, Hidx, Didx]
+            index_k = norm_rope(parts[4], self.index_k_norm.weight, eps, cos, sin)  # [T, 1, Didx]
             write_index_cache(index_cache, index_k, meta.slot_mapping)
             topk_idx = torch.ops.mm3.index_topk(
                 index_q, index_cache.squeeze(1), meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
@@ -262,7 +264,8 @@ class M3Attention(nn.Module):
             # every block: the kernels clip query p to its p // 128 + 1 visible blocks -> exact causal attention
             max_blocks = meta.block_table.shape[1]
             blocks = torch.arange(max_blocks, dtype=torch.int32, device=x.device)
-            topk_idx = blocks.expand(hkv, T, max_blocks).contiguous()  # [Hkv, T, max_blocks]
+            # a broadcast add, not expand().contiguous(): the contiguity check would guard on T != 1
+            topk_idx = torch.zeros((hkv, T, 1), dtype=torch.int32, device=x.device) + blocks  # [Hkv, T, max_blocks]
 
         if decode:
             out = torch.ops.mm3.sparse_attn_decode(
