@@ -7,7 +7,7 @@ row is ``page * s_blk + head * s_head + offset * s_pos`` (K at ``+ d``, V at ``+
 permuted view).  Rows whose slot is negative (padding) or beyond ``num_blocks * 128`` are masked
 out: they are neither read nor written.
 
-FP8 caches are written as bytes through a uint8 view of the same storage: ``x / scale`` in fp32
+FP8 caches are written as bytes (the kernel casts its pointer to uint8): ``x / scale`` in fp32
 (correctly rounded division, like torch), then ``fp8_encode`` (round-to-nearest-even, saturating
 to the format's max) in the flavour the authority resolved.  bf16/fp16 caches store the values
 unchanged (the op requires key/value in the cache dtype); scales only apply to FP8 caches.
@@ -45,7 +45,7 @@ def _scale_rows(x, scale_ptr, heads, slots, row_ok, stride_sh, stride_ss, SCALE_
 def _kv_cache_write_kernel(
     key_ptr,  # [num_tokens, Hkv, D]
     value_ptr,  # [num_tokens, Hkv, D]
-    cache_ptr,  # [num_blocks, Hkv, 128, 2D] (uint8 view for FP8), strided, last dim contiguous
+    cache_ptr,  # [num_blocks, Hkv, 128, 2D] bf16/fp16, typed FP8 or uint8 bytes; strided, last dim contiguous
     slot_ptr,  # [num_tokens] int64
     k_scale_ptr,  # [1] or [Hkv, num_slots] fp32 (unused with SCALE_MODE 0)
     v_scale_ptr,
@@ -88,6 +88,7 @@ def _kv_cache_write_kernel(
     v = tl.load(value_ptr + (tokens * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask=mask, other=0.0)
     dst = cache_ptr + (pages * stride_cb + heads * stride_ch + offsets * stride_cp)[:, None] + d[None, :]
     if IS_FP8:
+        dst = dst.to(tl.pointer_type(tl.uint8))  # FP8 is stored as the encoder's bytes
         k = _scale_rows(k.to(tl.float32), k_scale_ptr, heads, slots, row_ok, stride_ksh, stride_kss, SCALE_MODE)
         v = _scale_rows(v.to(tl.float32), v_scale_ptr, heads, slots, row_ok, stride_vsh, stride_vss, SCALE_MODE)
         tl.store(dst, fp8_encode(k, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
@@ -113,12 +114,15 @@ def kv_cache_write(
 ) -> None:
     """Write key/value [num_tokens, Hkv, D] into ``cache`` (typed view, validated by the op) in place.
 
-    ``fmt`` is the cache's FP8 format (None for bf16/fp16 caches); for FP8 the kernel stores
-    bytes through ``cache.view(torch.uint8)``, which shares the cache's storage and strides.
+    ``fmt`` is the cache's FP8 format (None for bf16/fp16 caches).  ``cache`` is the caller's
+    tensor, uint8 or typed: the kernel casts its pointer to bytes.  A dtype-changing ``.view`` here
+    would make Inductor copy a cache that is a graph input (measured on the H200: +1 GiB for a
+    1 GiB typed cache); only Triton on NVIDIA, which has no fnuz pointer type, gets a byte view.
     """
     num_tokens, num_heads, D = key.shape
     num_slots = cache.shape[0] * PAGE_SIZE
-    target = cache.view(torch.uint8) if fmt is not None else cache
+    nvidia_fnuz = fmt is not None and fmt.fnuz and cache.device.type == "cuda" and torch.version.hip is None
+    target = cache.view(torch.uint8) if nvidia_fnuz and cache.dtype != torch.uint8 else cache
     if scale_mode == SCALE_NONE:
         k_scale = v_scale = slot_mapping  # never read; any pointer will do
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)

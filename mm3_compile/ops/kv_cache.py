@@ -91,10 +91,10 @@ def kv_cache_write(
     nearest-even and saturated, in the flavour the authority gives for the cache's device.
     bf16/fp16 caches store key/value unchanged (same dtype required; scales are not applied).
     """
-    cache, fmt, scale_mode = _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    _, fmt, scale_mode = _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     require_kernel_device("key", key)
     with eager_launches():
-        kernels.kv_cache_write(key, value, cache, slot_mapping, fmt, scale_mode, k_scale, v_scale)
+        kernels.kv_cache_write(key, value, kv_cache, slot_mapping, fmt, scale_mode, k_scale, v_scale)
 
 
 @kv_cache_write.register_fake
