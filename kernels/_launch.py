@@ -28,6 +28,11 @@ def traced_launches():
         _tracing.active = previous
 
 
+def launches_traced() -> bool:
+    """Whether an op body is being traced (``traced_launches``): tensors are not real."""
+    return getattr(_tracing, "active", False)
+
+
 @contextlib.contextmanager
 def eager_launches():
     """Real tensors go straight to the kernel: no higher-order-op dispatch on the eager path."""

@@ -411,5 +411,4 @@ _index_topk_kernel x1
 _kv_cache_write_kernel x1
 _mxfp8_quantize_kernel x1
 _swiglu_oai_mxfp8_kernel x1
-merge_splits_kernel x1
 sparse_attn_fwd_kernel x1""")

@@ -17,7 +17,7 @@ are never written).  Each selected 128-token block costs one ``[BLOCK_M, D] x [D
 
 Decode splits each token's work: split c takes distinct blocks (slots for BLOCK_Q = 1)
 ``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (BLOCK_Q > 1: the last split takes the rest)
-and writes a normalised partial + log2-sum-exp for ``merge_splits_kernel``.
+and writes a normalised partial + log2-sum-exp; the last split to finish merges them (``_merge_partials``).
 
 Selection: slots ``[0, min(T, p // 128 + 1))`` are read (position-derived); an id that is negative,
 beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is skipped
@@ -160,8 +160,10 @@ def sparse_attn_fwd_kernel(
     seq_lens_ptr,  # [num_reqs] int32, KV length including this step's tokens
     k_scale_ptr,  # fp32: 1 element (SCALE_MODE 1) or [Hkv, num_blocks * 128] (mode 2); dummy otherwise
     v_scale_ptr,
-    out_ptr,  # [total_q, Hq, D] (not SPLIT) or o_partial [num_splits, total_q, Hq, D] (SPLIT)
+    out_ptr,  # [total_q, Hq, D]
+    partial_ptr,  # [num_splits, total_q, Hq, D] model dtype (SPLIT only)
     lse_ptr,  # [num_splits, total_q, Hq] fp32 (SPLIT only)
+    arrivals_ptr,  # [cdiv(total_q, BLOCK_Q) * Hkv] int32, zero on entry and on exit (SPLIT only)
     total_q,
     num_reqs,
     q_per_req,  # uniform decode: tokens per request (not VARLEN)
@@ -321,60 +323,65 @@ def sparse_attn_fwd_kernel(
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
     Hq = G * tl.num_programs(1)
     row_offset = token.to(tl.int64) * Hq + heads  # [BLOCK_M] (token, head) row of [total_q, Hq]
+    out_ptrs = out_ptr + row_offset[:, None] * D + dims[None, :]
     if SPLIT:
-        row_offset += split.to(tl.int64) * total_q * Hq
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-        tl.store(lse_ptr + row_offset, lse, mask=row_mask)
-    tl.store(out_ptr + row_offset[:, None] * D + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        if num_splits > 1:
+            # Write this split's partial; the last of the tile's splits to arrive merges them all,
+            # so decode is one launch.  The barrier orders every thread's partial stores before
+            # the (acq_rel, GPU-scope) arrival; the merger reads the partials from L2 (.cg).
+            split_rows = total_q * Hq
+            part_offset = split.to(tl.int64) * split_rows + row_offset
+            lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+            tl.store(lse_ptr + part_offset, lse, mask=row_mask)
+            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
+                     mask=row_mask[:, None])  # fmt: skip
+            tl.debug_barrier()
+            counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                tl.atomic_xchg(counter, 0)  # zero again for the next call / CUDA-graph replay
+                _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, D)
+        else:
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
-def merge_splits_kernel(
-    o_partial_ptr,  # [num_splits, total_q, Hq, D] model dtype, each split normalised by its own sum
-    lse_ptr,  # [num_splits, total_q, Hq] fp32, log2 domain, -inf for a split that saw no key
-    out_ptr,  # [total_q, Hq, D]
-    total_q,
-    Hq,
-    num_splits,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """out = sum_c w_c o_c with w_c = 2^(lse_c - max lse) / sum; a row with no key anywhere -> 0."""
-    token = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, D: tl.constexpr):
+    """out = sum_c 2^lse_c o_c / sum_c 2^lse_c in one pass (running max); a row with no key in any split -> 0."""
     dims = tl.arange(0, D)
-    head_mask = heads < Hq
-    row = token.to(tl.int64) * Hq + heads  # [BLOCK_H] row index within one split
-    split_rows = total_q * Hq
-
-    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
+    weight_sum = tl.zeros(row_offset.shape, tl.float32)
+    acc = tl.zeros([row_offset.shape[0], D], tl.float32)
     for c in range(0, num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")))
-    lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for c in range(0, num_splits):
-        w = tl.exp2(tl.load(lse_ptr + c * split_rows + row, mask=head_mask, other=float("-inf")) - lse_ref)
-        o_ptrs = o_partial_ptr + (c * split_rows + row)[:, None] * D + dims[None, :]
-        o = tl.load(o_ptrs, mask=head_mask[:, None], other=0.0)
-        acc += w[:, None] * o.to(tl.float32)
-        weight_sum += w
+        part_offset = c * split_rows + row_offset
+        lse = tl.load(lse_ptr + part_offset, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(partial_ptr + part_offset[:, None] * D + dims[None, :], mask=row_mask[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        new_max = tl.maximum(lse_max, lse)
+        ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key so far: weights 0, nothing NaN
+        rescale = tl.exp2(lse_max - ref)
+        w = tl.exp2(lse - ref)
+        acc = acc * rescale[:, None] + w[:, None] * o.to(tl.float32)
+        weight_sum = weight_sum * rescale + w
+        lse_max = new_max
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
-    tl.store(out_ptr + row[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
 LOG2E = 1.4426950408889634
 
 
-def kernel_options(device: torch.device) -> dict:
-    """Launch options: the interpreter's bf16 dots are wrong (widen them).  On sm_90 every variant
-    (bf16 / typed FP8 / FP8 bytes, 16 or 128 rows) compiles without register spills only with 8
-    warps (4 warps spill up to 3.9 KB of stack); gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
+def kernel_options(device: torch.device, fp8_decode: bool = False) -> dict:
+    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps, 2 stages
+    (4 warps spill up to 3.9 KB of stack), except FP8 decode tiles (16 rows), where 4 warps measured
+    3-7% faster despite their spills (H200: TP1 B128 144 vs 155 us, TP8 B32 17.7 vs 18.1 us); 3
+    stages or 1 stage were slower at B >= 32.  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
     if platform.interpreting() or device.type != "cuda":
         return dict(DOT_FP32=True, num_warps=4)
     if platform.platform_for(device).vendor == "amd":
         return dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    return dict(DOT_FP32=False, num_warps=8, num_stages=2)
+    return dict(DOT_FP32=False, num_warps=4 if fp8_decode else 8, num_stages=2)
 
 
 def launch_sparse_attn(
@@ -389,8 +396,8 @@ def launch_sparse_attn(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     scale_mode: int,
-    out: torch.Tensor,  # [total_q, Hq, D] or o_partial [num_splits, total_q, Hq, D]
-    lse: torch.Tensor | None,  # [num_splits, total_q, Hq] fp32 when splitting
+    out: torch.Tensor,  # [total_q, Hq, D]
+    split_buffers: tuple | None,  # decode: (o_partial, lse, arrivals), see ``sparse_attn_fwd_kernel``
     q_per_req,
     num_splits,
     blocks_per_split,
@@ -418,7 +425,7 @@ def launch_sparse_attn(
     launch(
         sparse_attn_fwd_kernel, (triton.cdiv(total_q, block_q) * num_splits, Hkv),
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
-        k_scale, v_scale, out, lse if lse is not None else out,
+        k_scale, v_scale, out, *(split_buffers if split_buffers is not None else (out, out, out)),
         total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, blocks_per_split,
         float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1),
@@ -427,7 +434,8 @@ def launch_sparse_attn(
         block_table.stride(0), block_table.stride(1),
         *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
-        VARLEN=cu_seqlens_q is not None, SPLIT=lse is not None,
+        VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
-        SCALE_MODE=scale_mode, **fp8_constants, **kernel_options(q.device),
+        SCALE_MODE=scale_mode, **fp8_constants,
+        **kernel_options(q.device, fp8_decode=fmt is not None and split_buffers is not None),
     )  # fmt: skip

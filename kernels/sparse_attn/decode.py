@@ -2,18 +2,28 @@
 
 Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
 batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
-partial and its log2-sum-exp, and a second kernel merges them (§5.5).  ``num_splits`` depends only
-on shapes and the device's SM count, never on data, so a captured CUDA graph stays valid; it is
-computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of being guarded.
+partial and its log2-sum-exp, and the last split of a (token, KV head) to finish merges them
+(§5.5), counted by an arrival counter: one launch per decode step, not two.  ``num_splits``
+depends only on shapes and the device's SM count, never on data, so a captured CUDA graph stays
+valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
+being guarded.
+
+Arrival counters must be zero when the kernel starts; the merging program zeroes its counter
+again.  Eager calls therefore reuse one zeroed buffer (no memset per step): one per device for the
+default stream and for CUDA-graph captures, one per stream for calls on other streams.  Graphs
+captured with it must not be replayed concurrently on two streams.  A body traced for Inductor, a
+capture before any eager call on the device, and a grid larger than the buffer get a fresh
+``torch.zeros`` (a memset in the graph).
 """
 
 import functools
+import threading
 
 import torch
 import triton
 
-from mm3_compile.kernels._launch import launch
-from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn, merge_splits_kernel
+from mm3_compile.kernels._launch import launches_traced
+from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
 
 # Programs per SM the split-K grid aims for: enough (token, KV head, split) programs in flight to
@@ -22,6 +32,10 @@ PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
 # exercise the merge).
 INTERPRETER_TARGET_PROGRAMS = 8
+# Reused arrival counters: splitting happens only below the target program count, so a few
+# thousand (tile, KV head) counters cover every shape-derived plan.
+ARRIVAL_COUNTERS = 4096
+_arrivals = threading.local()
 
 
 @functools.cache
@@ -41,6 +55,20 @@ def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
     wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device) // work))
     blocks_per_split = (topk + wanted - 1) // wanted
     return (topk + blocks_per_split - 1) // blocks_per_split, blocks_per_split
+
+
+def _arrival_counters(count, device: torch.device) -> torch.Tensor:
+    """``count`` zeroed int32 counters (see the module docstring for when they are reused)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    key = device
+    if device.type == "cuda" and not capturing and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+        key = (device, torch.cuda.current_stream(device).cuda_stream)  # concurrent streams must not share counters
+    buffers = _arrivals.__dict__.setdefault("buffers", {})
+    if launches_traced() or not isinstance(count, int) or count > ARRIVAL_COUNTERS or (capturing and key not in buffers):
+        return torch.zeros((count,), dtype=torch.int32, device=device)
+    if key not in buffers:
+        buffers[key] = torch.zeros((ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
+    return buffers[key]
 
 
 def sparse_attn_decode(
@@ -65,14 +93,13 @@ def sparse_attn_decode(
         num_splits, blocks_per_split = split_plan(total_q, Hkv, T, q.device)
     else:
         blocks_per_split = triton.cdiv(T, num_splits)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
     o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
+    arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q.device)  # one per (tile, KV head)
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        o_partial, lse, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split, block_q=block_q,
+        out, (o_partial, lse, arrivals), q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split,
+        block_q=block_q,
     )  # fmt: skip
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
-    BLOCK_H = 16
-    launch(merge_splits_kernel, (total_q, triton.cdiv(Hq, BLOCK_H)), o_partial, lse, out, total_q, Hq, num_splits,
-           D=int(D), BLOCK_H=BLOCK_H)  # fmt: skip
     return out
