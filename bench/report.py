@@ -68,6 +68,7 @@ def markdown_table(rows: list[dict]) -> str:
             "Ceilings: "
             + "; ".join(
                 f"{r['provider']} {_num(r.get('gbps') or r.get('tflops'))} {'GB/s' if r.get('gbps') else 'TFLOP/s'}"
+                + (f" ({r.get('timestamp')})" if len({c.get('timestamp') for c in ceilings}) > 1 else "")
                 for r in ceilings
             )
             + ""
