@@ -215,9 +215,11 @@ def test_demo_workload_api_eager_vs_compiled_vs_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("backend", [None, "inductor"])
-def test_m3_1layer_real_widths_match_reference(device, kv_cache_dtype, backend):
-    """One sparse + MoE layer at the real widths (Hq 64, Hkv 4, D 128, 128 experts) on the GPU."""
-    cfg = MiniMaxM3Config.m3_1layer()
+def test_m3_real_width_layers_match_reference(device, kv_cache_dtype, backend):
+    """Two layers at the real widths (Hq 64, Hkv 4, D 128) on the GPU: a dense one (dense attention,
+    12288-wide MLP, like M3's layers 0-2) then a sparse + MoE one (128 experts)."""
+    cfg = MiniMaxM3Config.m3_1layer(num_hidden_layers=2, num_dense_layers=1)
+    assert not cfg.is_sparse_layer(0) and cfg.is_sparse_layer(1)
     state = random_full_state(cfg, seed=0, device=device)
     model = build_model(cfg, state=state, device=device)
     run = SimpleNamespace(
