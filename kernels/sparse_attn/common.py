@@ -327,8 +327,9 @@ def sparse_attn_fwd_kernel(
     if SPLIT:
         if num_splits > 1:
             # Write this split's partial; the last of the tile's splits to arrive merges them all,
-            # so decode is one launch.  The barrier orders every thread's partial stores before
-            # the (acq_rel, GPU-scope) arrival; the merger reads the partials from L2 (.cg).
+            # so decode is one launch.  NVIDIA ordering (the launcher never splits on ROCm): the
+            # CTA barrier orders every thread's partial stores before thread 0's GPU-scope acq_rel
+            # arrival; the merger acquires the same counter and reads the partials from L2 (.cg).
             split_rows = total_q * Hq
             part_offset = split.to(tl.int64) * split_rows + row_offset
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
@@ -354,7 +355,7 @@ def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_
     weight_sum = tl.zeros(row_offset.shape, tl.float32)
     acc = tl.zeros([row_offset.shape[0], D], tl.float32)
     for c in range(0, num_splits):
-        part_offset = c * split_rows + row_offset
+        part_offset = c * split_rows.to(tl.int64) + row_offset
         lse = tl.load(lse_ptr + part_offset, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(partial_ptr + part_offset[:, None] * D + dims[None, :], mask=row_mask[:, None], other=0.0,
                     cache_modifier=".cg")  # fmt: skip
@@ -437,5 +438,5 @@ def launch_sparse_attn(
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
         SCALE_MODE=scale_mode, **fp8_constants,
-        **kernel_options(q.device, fp8_decode=fmt is not None and split_buffers is not None),
+        **kernel_options(q.device, fp8_decode=fmt is not None and cu_seqlens_q is None and block_q == 1),
     )  # fmt: skip

@@ -3,17 +3,21 @@
 Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
 batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
 partial and its log2-sum-exp, and the last split of a (token, KV head) to finish merges them
-(§5.5), counted by an arrival counter: one launch per decode step, not two.  ``num_splits``
+(§5.5), counted by an arrival counter: one attention launch per decode step.  ``num_splits``
 depends only on shapes and the device's SM count, never on data, so a captured CUDA graph stays
 valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
-being guarded.
+being guarded.  With one split there are no partials and no counters.
 
 Arrival counters must be zero when the kernel starts; the merging program zeroes its counter
-again.  Eager calls therefore reuse one zeroed buffer (no memset per step): one per device for the
-default stream and for CUDA-graph captures, one per stream for calls on other streams.  Graphs
-captured with it must not be replayed concurrently on two streams.  A body traced for Inductor, a
-capture before any eager call on the device, and a grid larger than the buffer get a fresh
-``torch.zeros`` (a memset in the graph).
+again.  Eager calls on a device's default stream, and CUDA-graph captures once such a call has
+happened, therefore share one zeroed buffer per device, kept for the life of the process (no
+memset per step): graphs captured with it must not run concurrently with each other or with
+eager decode calls on another stream.  Everything else gets a fresh ``torch.zeros`` (a memset):
+calls on other streams, captures before any eager call, grids larger than the buffer, and bodies
+traced for a graph (so a compiled step zeroes its own counters, ~1 us).
+
+The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq_rel atomic).
+AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.
 """
 
 import functools
@@ -21,6 +25,7 @@ import threading
 
 import torch
 import triton
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile.kernels._launch import launches_traced
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
@@ -35,7 +40,8 @@ INTERPRETER_TARGET_PROGRAMS = 8
 # Reused arrival counters: splitting happens only below the target program count, so a few
 # thousand (tile, KV head) counters cover every shape-derived plan.
 ARRIVAL_COUNTERS = 4096
-_arrivals = threading.local()
+_shared_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+_shared_counters_lock = threading.Lock()
 
 
 @functools.cache
@@ -49,26 +55,42 @@ def _target_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _rocm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is not None
+
+
 def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
     """(num_splits, blocks_per_split) from shapes: split the T blocks until the grid fills the GPU."""
+    if _rocm(device):
+        return 1, topk
     work = torch.sym_max(1, total_q * num_kv_heads)
     wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device) // work))
     blocks_per_split = (topk + wanted - 1) // wanted
     return (topk + blocks_per_split - 1) // blocks_per_split, blocks_per_split
 
 
-def _arrival_counters(count, device: torch.device) -> torch.Tensor:
-    """``count`` zeroed int32 counters (see the module docstring for when they are reused)."""
+def _arrival_counters(count, like: torch.Tensor) -> torch.Tensor:
+    """``count`` zeroed int32 counters on ``like``'s device (the module docstring says when they are shared)."""
+    device = like.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    key = device
-    if device.type == "cuda" and not capturing and torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
-        key = (device, torch.cuda.current_stream(device).cuda_stream)  # concurrent streams must not share counters
-    buffers = _arrivals.__dict__.setdefault("buffers", {})
-    if launches_traced() or not isinstance(count, int) or count > ARRIVAL_COUNTERS or (capturing and key not in buffers):
-        return torch.zeros((count,), dtype=torch.int32, device=device)
-    if key not in buffers:
-        buffers[key] = torch.zeros((ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
-    return buffers[key]
+    default_stream = device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    shareable = (
+        type(like) is torch.Tensor  # not a fake or functional tensor
+        and get_proxy_mode() is None
+        and not launches_traced()
+        and isinstance(count, int)
+        and count <= ARRIVAL_COUNTERS
+        and (default_stream or capturing)
+    )
+    if shareable:
+        key = (device.type, device.index)
+        with _shared_counters_lock:
+            if key not in _shared_counters and not capturing:
+                _shared_counters[key] = torch.zeros((ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
+            shared = _shared_counters.get(key)
+        if shared is not None:
+            return shared
+    return torch.zeros((count,), dtype=torch.int32, device=device)
 
 
 def sparse_attn_decode(
@@ -92,14 +114,19 @@ def sparse_attn_decode(
     if num_splits is None:
         num_splits, blocks_per_split = split_plan(total_q, Hkv, T, q.device)
     else:
+        if num_splits > 1 and _rocm(q.device):
+            raise ValueError(f"num_splits: decode does not split on ROCm (see the module docstring), got {num_splits}")
         blocks_per_split = triton.cdiv(T, num_splits)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D]
-    o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
-    arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q.device)  # one per (tile, KV head)
+    split_buffers = None
+    if not (isinstance(num_splits, int) and num_splits == 1):  # a symbolic count may still be 1 at run time
+        o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
+        lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
+        arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q)  # one per (tile, KV head)
+        split_buffers = (o_partial, lse, arrivals)
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        out, (o_partial, lse, arrivals), q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split,
+        out, split_buffers, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split,
         block_q=block_q,
     )  # fmt: skip
     return out
