@@ -11,8 +11,8 @@ being guarded.  With one split there are no partials and no counters.
 Arrival counters must be zero when the kernel starts; the merging program zeroes its counter
 again.  Eager calls on a device's default stream, and CUDA-graph captures once such a call has
 happened, therefore share one zeroed buffer per device, kept for the life of the process (no
-memset per step): graphs captured with it must not run concurrently with each other or with
-eager decode calls on another stream.  Everything else gets a fresh ``torch.zeros`` (a memset):
+memset per step): graphs captured with it must not be replayed while another of them, or an
+eager decode call on the default stream, is still running on another stream.  Everything else gets a fresh ``torch.zeros`` (a memset):
 calls on other streams, captures before any eager call, grids larger than the buffer, and bodies
 traced for a graph (so a compiled step zeroes its own counters, ~1 us).
 
