@@ -226,6 +226,12 @@ def _device_platform(device: torch.device) -> Platform:
     raise ValueError(f"device {device} is not supported by mm3_compile; expected a CUDA/ROCm GPU or the CPU")
 
 
+def hardware_vendor(device: torch.device) -> str:
+    """Who built the chip a kernel on ``device`` really runs on: "nvidia", "amd" or "cpu" (emulation
+    changes FP8 answers, not this: memory ordering and Triton's pointer types follow the hardware)."""
+    return _device_platform(torch.device(device)).vendor
+
+
 def platform_for(device: torch.device | str | None = None) -> Platform:
     """The platform that decides FP8 dtypes for tensors on ``device`` (default: current GPU, else CPU)."""
     target = _emulated_target()

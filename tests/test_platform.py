@@ -153,3 +153,10 @@ def test_resolution_table_has_every_target():
     assert set(platform.EMULATION_TARGETS) <= set(targets)
     gfx942 = next(row for row in rows if row["target"] == "gfx942")
     assert gfx942["kv fp8/fp8_e4m3"] == "float8_e4m3fnuz" and gfx942["mxfp8 FP8_MAX"] == "240"
+
+
+def test_hardware_vendor_ignores_emulation():
+    """Memory-ordering and pointer-type choices follow the real chip, FP8 answers follow the emulation."""
+    with platform.emulate("gfx942"):
+        assert platform.platform_for("cpu").vendor == "amd"
+        assert platform.hardware_vendor(torch.device("cpu")) == "cpu"

@@ -20,7 +20,7 @@ import triton.language as tl
 from mm3_compile.kernels._launch import launch
 from mm3_compile.kernels.fp8 import fp8_encode, format_constants
 from mm3_compile.ops._kv import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
-from mm3_compile.platform import FP8Format, interpreting
+from mm3_compile.platform import FP8Format, hardware_vendor, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance
 MODE_SCALAR = tl.constexpr(SCALE_SCALAR)
@@ -121,7 +121,9 @@ def kv_cache_write(
     """
     num_tokens, num_heads, D = key.shape
     num_slots = cache.shape[0] * PAGE_SIZE
-    nvidia_fnuz = fmt is not None and fmt.fnuz and cache.device.type == "cuda" and torch.version.hip is None
+    nvidia_fnuz = (
+        fmt is not None and fmt.fnuz and cache.device.type == "cuda" and hardware_vendor(cache.device) == "nvidia"
+    )
     target = cache.view(torch.uint8) if nvidia_fnuz and cache.dtype != torch.uint8 else cache
     if scale_mode == SCALE_NONE:
         k_scale = v_scale = slot_mapping  # never read; any pointer will do

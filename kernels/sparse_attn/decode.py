@@ -27,6 +27,7 @@ import torch
 import triton
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from mm3_compile import platform
 from mm3_compile.kernels._launch import launches_traced
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
@@ -56,7 +57,7 @@ def _target_programs(device: torch.device) -> int:
 
 
 def _rocm(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.version.hip is not None
+    return device.type == "cuda" and platform.hardware_vendor(device) == "amd"
 
 
 def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
