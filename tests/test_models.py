@@ -10,6 +10,7 @@ To keep the interpreter cheap, most tests start from a cached prefix (>= 3 block
 reference and loaded into the pages) and run a short prefill chunk plus decode steps through the op model.
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,21 @@ def test_reference_block_selection_rules():
     assert got.tolist() == [[[3, 1, 0], [0, -1, -1]]]
 
 
+def test_topk_comparison_separates_near_ties_from_mismatches():
+    """Rows [Hkv 1, T 4, topk 2] against reference block scores: a swap within the tie is a near tie; a swap
+    beyond it, a different padding or a block past the request's blocks is a mismatch."""
+    inf = math.inf
+    scores = torch.tensor([[[1e30, 5.0, 4.9, 1.0, -inf]] * 4])  # [1, 4, 5]: block 0 forced, 4 past the request
+    want = torch.tensor([[[0, 1]] * 4], dtype=torch.int32)
+    ref = SimpleNamespace(topk=[want], block_scores=[scores], index_tie=[torch.full((1, 4), 0.2)])
+    got = torch.tensor([[[1, 0], [0, 2], [0, 3], [0, 4]]], dtype=torch.int32)
+    assert topk_set_mismatches([got], ref) == (2, 1)  # same set reordered: equal; 4.9 for 5.0: tie; 1.0, -inf: not
+    padded = torch.tensor([[[0, -1]] * 4], dtype=torch.int32)
+    assert topk_set_mismatches([padded], ref) == (4, 0)
+    ref.index_tie = [torch.full((1, 4), 0.05)]
+    assert topk_set_mismatches([got], ref) == (3, 0)
+
+
 @pytest.mark.interpreter
 def test_routing_and_mxfp8_weights_match_reference():
     logits = torch.tensor([[0.0, 2.0, -1.0, 1.0, 3.0]])
@@ -107,7 +123,11 @@ def _check_step(run, fn, q_lens):
         # one token with a 9e-4 margin
         assert int((margin < ROUTING_TIE).sum()) <= max(1, margin.numel() // 4), margin
         assert (margin >= ROUTING_TIE).any(), margin  # some token's MoE output is always compared
-    assert topk_set_mismatches(topk, expected.topk) == 0
+    mismatches, near_ties = topk_set_mismatches(topk, expected)
+    assert mismatches == 0
+    # The tie allowance must not hollow out the check either: a 64-token prefill on the H200 had one
+    # near-tied row of 256 (two layers at the real widths).
+    assert near_ties <= max(1, topk[0].shape[0] * topk[0].shape[1] // 4), near_ties
     assert topk[0].shape[-1] == cfg.sparse_topk_blocks
     first = topk[0][:, 0].cpu()  # [Hkv, topk] of request 0's first new token: its own block first, no padding
     own_block = (run.runtime.seq_lens[0] - q_lens[0]) // 128
@@ -204,7 +224,7 @@ def test_demo_workload_api_eager_vs_compiled_vs_reference():
     for a, b in zip(eager.steps, compiled.steps):  # same kernels, same order: bit-identical
         assert torch.equal(a.logits, b.logits) and all(torch.equal(x, y) for x, y in zip(a.topk, b.topk))
     report = compare_with_reference(eager, cfg, state, model.dtype, "fp8")
-    assert report.worst_sub_block < TOL and sum(report.topk_mismatch) == 0
+    assert report.worst_sub_block < TOL and sum(report.topk_mismatch) == 0 and sum(report.topk_near_ties) <= 1
     # Free running, differences compound: an accumulation-order change moves some MXFP8 activation codes
     # and, for a near-tied router, a token's experts.  Measured: median token 1.3-1.7% of the max logit,
     # 2 of 149 prefill tokens at 21-25%, where the MoE layer output differs by ~30% (an expert swap).
