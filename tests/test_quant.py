@@ -136,6 +136,25 @@ def test_swiglu_oai_mxfp8_matches_unfused(target, dtype, limit, device):
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-4
 
 
+@pytest.mark.parametrize("row_width", [136, 144, 200])  # row strides: 8 (mod 16), a multiple of 16, 8 again
+def test_strided_rows(target, row_width, device):
+    """Rows of a wider buffer: the kernels take the row stride in units of 16 elements only when it is a
+    multiple of 16 (alignment the compiler may then assume), in elements otherwise."""
+    base = wide_range((9, row_width), torch.bfloat16, device, seed=4)
+    x = base[:, :96]
+    values, scales = torch.ops.mm3.mxfp8_quantize(x)
+    ref_values, ref_scales = mxfp8_quantize_ref(x.contiguous(), value_format(device))
+    assert_bits_equal(scales, ref_scales)
+    assert_bits_equal(values, ref_values)
+    gate_up = base[:, :128].float().clamp(-30, 30).to(torch.bfloat16)  # contiguous: the expectation
+    strided = torch.empty_like(base)[:, :128].copy_(gate_up)
+    got = torch.ops.mm3.swiglu_oai_mxfp8_quant(strided)
+    want = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+    assert strided.stride(0) == row_width and gate_up.stride(0) == 128
+    assert_bits_equal(got[0], want[0])
+    assert_bits_equal(got[1], want[1])
+
+
 def test_swiglu_oai_mxfp8_alpha_beta_3d(target, device):
     gate_up = torch.randn(2, 3, 128, device=device)
     values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up, alpha=1.0, beta=0.5, limit=2.0)
