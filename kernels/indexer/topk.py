@@ -18,7 +18,7 @@ Two kernels, both with shape-derived grids (nothing depends on the longest query
    ``2^31 - 1 - block`` into an int64, so keys are distinct and equal scores rank the lower block
    first: a total order, hence deterministic output.  Slots past ``min(topk, nb)`` get -1.
 
-The score buffer ``[Hidx, total_q, max_blocks]`` fp32 is only written (and read) for visible
+The score buffer ``[Hidx, total_q, max_blocks]`` fp32 (rows padded to 16) is only written (and read) for visible
 blocks.  Positions use ``p = seq_len - q_len + i``; rows with ``p < 0`` (padding requests with
 ``seq_len = 0``) see no block and return all -1.
 """
@@ -58,7 +58,7 @@ def _index_score_kernel(
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     tile_cu_ptr,  # [num_reqs + 1] int32: first query tile of each request (cumulative cdiv(q_len, BLOCK_Q))
-    score_ptr,  # [Hidx, total_q, max_blocks] fp32
+    score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
     pos_ptr,  # [total_q] int32 query positions (pre-filled with -1)
     num_reqs,
     total_q,
@@ -69,14 +69,15 @@ def _index_score_kernel(
     stride_kp,
     stride_btr,
     stride_btb,
-    stride_sh,
-    stride_st,
+    score_row_units,  # score row length / 16 (see index_topk)
     HIDX: tl.constexpr,
     DIDX: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
 ):
+    stride_st = score_row_units * 16
+    stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
     tile = tl.program_id(0)
     block = tl.program_id(1)
     if tile < tl.load(tile_cu_ptr + num_reqs):  # surplus programs (and num_reqs = 0) read nothing
@@ -123,21 +124,22 @@ def _index_score_kernel(
 
 @triton.jit
 def _index_topk_kernel(
-    score_ptr,  # [Hidx, total_q, max_blocks] fp32
+    score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
     pos_ptr,  # [total_q] int32
     out_ptr,  # [Hidx, total_q, TOPK] int32
     total_q,
     max_blocks,
     init_blocks,
     local_blocks,
-    stride_sh,
-    stride_st,
+    score_row_units,
     stride_oh,
     stride_ot,
     TOPK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    stride_st = score_row_units * 16
+    stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
     tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -186,7 +188,11 @@ def index_topk(
     total_q, num_heads, head_dim = index_q.shape
     num_reqs, max_blocks = block_table.shape
     device = index_q.device
-    scores = torch.empty((num_heads, total_q, max_blocks), dtype=torch.float32, device=device)
+    # Rows padded to 16 blocks and their length passed in units of 16: the top-k kernel's row loads stay
+    # aligned (vectorised) also when Inductor launches it with a symbolic max_blocks, which gets no
+    # divisibility specialisation there.
+    score_row = triton.cdiv(max_blocks, 16) * 16
+    scores = torch.empty((num_heads, total_q, score_row), dtype=torch.float32, device=device)
     positions = torch.full((total_q,), -1, dtype=torch.int32, device=device)
     block_q = 64
     # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_Q) <= cdiv(total_q, BLOCK_Q) + num_reqs
@@ -200,7 +206,7 @@ def index_topk(
         index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, tile_cu, scores, positions,
         num_reqs, total_q, index_k_cache.shape[0],
         index_q.stride(0), index_q.stride(1), index_k_cache.stride(0), index_k_cache.stride(1),
-        block_table.stride(0), block_table.stride(1), scores.stride(0), scores.stride(1),
+        block_table.stride(0), block_table.stride(1), score_row // 16,
         HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
         FP32_DOT=interpreting() or index_q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
@@ -209,8 +215,8 @@ def index_topk(
     block_t = 64 if interpreting() else 16
     launch(
         _index_topk_kernel, (triton.cdiv(total_q, block_t), num_heads),
-        scores, positions, out, total_q, max_blocks, init_blocks, local_blocks,
-        scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        scores, positions, out, total_q, max_blocks, init_blocks, local_blocks, score_row // 16,
+        out.stride(0), out.stride(1),
         TOPK=topk, BLOCK_T=block_t, BLOCK_N=128, num_warps=4,
     )  # fmt: skip
     return out
