@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.ops._kv import PAGE_SIZE
 from mm3_compile.platform import interpreting
 
@@ -192,7 +192,7 @@ def index_topk(
     # aligned (vectorised) also when Inductor launches it with a symbolic max_blocks, which gets no
     # divisibility specialisation there.
     score_row = triton.cdiv(max_blocks, 16) * 16
-    scores = torch.empty((num_heads, total_q, score_row), dtype=torch.float32, device=device)
+    scores = empty_row_major((num_heads, total_q, score_row), torch.float32, device)
     positions = torch.full((total_q,), -1, dtype=torch.int32, device=device)
     block_q = 64
     # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_Q) <= cdiv(total_q, BLOCK_Q) + num_reqs
