@@ -26,8 +26,9 @@ Public API (what ``mm3-compile demo`` uses)::
   (teacher forced: every attention / MLP / MoE sub-block fed the op model's own input, error beyond one
   bf16 ulp relative to the sub-block's update; ~1e-2 expected), ``topk_mismatch`` (selected block sets
   that differ beyond near-tied blocks, expected 0; ``topk_near_ties`` counts the lists that differ only by
-  blocks the reference scores within ``INDEX_TIE`` of each other) and ``logits_max_err`` (free-running end to end, informative only: routing and
-  MXFP8 rounding are discontinuous, so a bf16-level difference can flip one token's expert choice).
+  blocks the reference scores within ``INDEX_TIE`` of each other) and ``logits_max_err`` (free-running end
+  to end, informative only: routing and MXFP8 rounding are discontinuous, so a bf16-level difference can
+  flip one token's expert choice).
 * Two graphs per compiled model (prefill, decode); token and request counts are dynamic, so later steps and
   other batch shapes do not recompile.  Graph breaks: none (``fullgraph=True``).
 

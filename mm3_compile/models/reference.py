@@ -101,12 +101,13 @@ def block_scores(scores: torch.Tensor, positions: torch.Tensor, cfg: MiniMaxM3Co
 
 
 def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: MiniMaxM3Config) -> torch.Tensor:
-    """Lightning indexer on token scores [heads, q, S] -> block ids [heads, q, topk] (-1 padded).
+    """Lightning indexer on token scores [heads, q, S] -> block ids [heads, q, topk] (-1 padded)."""
+    return pick_blocks(block_scores(scores, positions, cfg), positions, cfg)
 
-    Stable descending sort of the :func:`block_scores` (ties toward the lower block id), the first
-    min(topk, visible blocks) kept.
-    """
-    per_block = block_scores(scores, positions, cfg)  # [H, Q, nblk]
+
+def pick_blocks(per_block: torch.Tensor, positions: torch.Tensor, cfg: MiniMaxM3Config) -> torch.Tensor:
+    """Stable descending sort of :func:`block_scores` [heads, q, blocks] (ties toward the lower block id),
+    the first min(topk, visible blocks) kept -> [heads, q, topk] int32, -1 padded."""
     H, Q, nblk = per_block.shape
     visible = (positions // BLOCK + 1)[:, None]  # [Q, 1]
     order = torch.sort(per_block, dim=-1, descending=True, stable=True).indices  # [H, Q, nblk]
@@ -114,7 +115,7 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, cfg: MiniMaxM3C
     if nblk < k:
         order = torch.cat([order, order.new_full((H, Q, k - nblk), -1)], dim=-1)
     chosen = order[..., :k]
-    slot = torch.arange(k, device=scores.device)[None, None]
+    slot = torch.arange(k, device=per_block.device)[None, None]
     return torch.where(slot < torch.clamp(visible, max=k)[None], chosen, -1).to(torch.int32)
 
 
@@ -199,9 +200,10 @@ class ReferenceModel:
             allowed = allowed.expand(Hkv, n, S)
             if sparse:
                 scores = torch.einsum("qhd,sd->hqs", iq[rows], hist["ik"])  # raw dot, no softmax scale
-                chosen = select_blocks(scores, pos, cfg)  # [Hkv, n, topk]
+                per_block = block_scores(scores, pos, cfg)  # [Hkv, n, blocks]
+                chosen = pick_blocks(per_block, pos, cfg)  # [Hkv, n, topk]
                 topks.append(chosen)
-                scored.append(block_scores(scores, pos, cfg))
+                scored.append(per_block)
                 absolute = torch.einsum("qhd,sd->hqs", iq[rows].abs(), hist["ik"].abs())  # [Hkv, n, S]
                 ties.append(INDEX_TIE * absolute.amax(-1))
                 key_block = torch.arange(S, device=self.device) // BLOCK
