@@ -136,6 +136,33 @@ def test_swiglu_oai_mxfp8_matches_unfused(target, dtype, limit, device):
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-4
 
 
+def test_swiglu_oai_mxfp8_special_values(target, device):
+    """NaN (either sign) stays NaN through the clamps, as in the reference (torch.clamp propagates NaN; a
+    plain min/max would turn it into the limit); +-inf and huge inputs are clamped; a block of NaNs gets
+    the smallest scale.  The sign of a NaN that arithmetic produced is not defined (the GPU returns a
+    canonical NaN, numpy keeps an operand's), so NaN codes are compared as NaN."""
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(8, 2 * 128, generator=g) * 4  # gate = [:, :128], up = [:, 128:]
+    gate_up[0, 3] = float("nan")
+    gate_up[1, 130] = -float("nan")
+    gate_up[2, 5] = float("inf")
+    gate_up[3, 131] = -float("inf")
+    gate_up[4, :32] = 0.0
+    gate_up[5, 160:192] = float("nan")  # a whole block of the activation
+    gate_up[6, 10] = 100.0
+    gate_up[7, 140] = -100.0
+    gate_up = gate_up.to(torch.bfloat16).to(device)
+    values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+    ref_values, ref_scales = mxfp8_quantize_ref(swiglu_oai_ref(gate_up), value_format(device))
+    assert_bits_equal(scales, ref_scales)
+    nan = torch.isnan(ref_values.float().cpu())
+    assert torch.equal(torch.isnan(values.float().cpu()), nan)
+    assert nan[0, 3] and nan[1, 2] and nan[5, 32:64].all() and nan.sum() == 34
+    codes, ref_codes = values.view(torch.uint8).cpu(), ref_values.view(torch.uint8).cpu()
+    assert torch.equal(codes[~nan], ref_codes[~nan])
+    assert scales.view(torch.uint8)[5, 1] == 0
+
+
 @pytest.mark.parametrize("row_width", [136, 144, 200])  # row strides: 8 (mod 16), a multiple of 16, 8 again
 def test_strided_rows(target, row_width, device):
     """Rows of a wider buffer: the kernels take the row stride in units of 16 elements only when it is a

@@ -21,6 +21,19 @@ from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE, FP8Format, interpret
 
 
 @triton.jit
+def _sigmoid(x, FLUSH_SUBNORMALS: tl.constexpr):
+    """1 / (1 + 2^(-x log2 e)).  On NVIDIA the flush-to-zero ex2/rcp: ``tl.sigmoid``'s IEEE versions
+    add subnormal fix-up sequences (a third of the fused kernel's instructions with the NaN selects);
+    1 + 2^(...) >= 1 is never subnormal, and a flushed 2^(...) only rounds 1 + tiny to 1 as well."""
+    if FLUSH_SUBNORMALS:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.sigmoid(x)
+
+
+@triton.jit
 def _mx_quantize_tile(
     v,  # [BLOCK_M, BLOCK_K] fp32
     BLOCK_M: tl.constexpr,
@@ -35,7 +48,12 @@ def _mx_quantize_tile(
 ):
     NB: tl.constexpr = BLOCK_K // 32
     blocks = tl.reshape(v, (BLOCK_M, NB, 32))
-    magnitude = tl.where(blocks != blocks, 0.0, tl.abs(blocks))  # NaN takes no part in the scale
+    if FP8_NATIVE != 0:
+        # NVIDIA's max.f32 returns the other operand when one is NaN: NaN takes no part in the scale
+        # without a NaN test and select per element (an all-NaN block reduces to NaN, floored below).
+        magnitude = tl.abs(blocks)
+    else:  # the interpreter's (numpy) and AMD's max propagate NaN
+        magnitude = tl.where(blocks != blocks, 0.0, tl.abs(blocks))
     amax = tl.maximum(tl.max(magnitude, axis=2), 1.1754943508222875e-38)  # [BLOCK_M, NB], >= fp32 tiny
     abits = amax.to(tl.int32, bitcast=True)
     # ceil(log2(amax / FP8_MAX)): exponent difference, plus one when amax's significand is larger.
@@ -45,12 +63,11 @@ def _mx_quantize_tile(
     # so use 2^-126 and an extra halving.
     factor = ((254 - sb + (sb == 254).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
     factor = tl.where(sb == 254, factor * 0.5, factor)
-    scaled = blocks * tl.reshape(factor, (BLOCK_M, NB, 1))
-    scaled = tl.where(blocks != blocks, blocks, scaled)  # keep the input NaN (and its sign)
-    scaled = tl.reshape(scaled, (BLOCK_M, BLOCK_K))
+    scaled = tl.reshape(blocks * tl.reshape(factor, (BLOCK_M, NB, 1)), (BLOCK_M, BLOCK_K))
     if FP8_NATIVE != 0:
-        codes = fp8_encode_native(scaled, FP8_NATIVE)
+        codes = fp8_encode_native(scaled, v, FP8_NATIVE)  # signs from v: a NaN product may lose its sign
     else:
+        scaled = tl.where(v != v, v, scaled)  # keep the input NaN (and its sign)
         codes = fp8_encode(scaled, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ)
     return codes, sb
 
@@ -127,10 +144,10 @@ def _swiglu_oai_mxfp8_kernel(
     up = tl.load(row_ptr + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     # Inductor passes Python floats as fp64 scalars: without the casts the activation would be fp64.
     alpha, beta, limit = tl.cast(alpha, tl.float32), tl.cast(beta, tl.float32), tl.cast(limit, tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = gate * tl.sigmoid(alpha * gate) * (up + beta)  # fp32, never rounded before the quant
+    if HAS_LIMIT:  # NaN stays NaN, as in torch.clamp (a plain min/max would return the limit)
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+    act = gate * _sigmoid(alpha * gate, FP8_NATIVE != 0) * (up + beta)  # fp32, never rounded before the quant
     codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ, FP8_NATIVE)
     tl.store(values_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], codes.to(tl.uint8), mask=mask)
     NB: tl.constexpr = BLOCK_K // 32
@@ -166,7 +183,11 @@ def _tile(K: int) -> dict:
     # The interpreter runs one numpy program at a time: few, large programs are fastest there.
     if interpreting():
         return dict(BLOCK_M=64, BLOCK_K=min(256, triton.next_power_of_2(K)), num_warps=4)
-    return dict(BLOCK_M=16, BLOCK_K=128, num_warps=4)
+    # H200, fused SwiGLU at I = 3072 (bench/NOTES.md): 4 x 1024 / 8 warps reaches the copy ceiling at
+    # M = 65536; 8 x 256 / 4 warps is within 1% at M = 4096 and wastes no columns when K % 1024 != 0.
+    if K % 1024 == 0:
+        return dict(BLOCK_M=4, BLOCK_K=1024, num_warps=8)
+    return dict(BLOCK_M=8, BLOCK_K=256, num_warps=4)
 
 
 def _outputs(rows, K: int, fmt: FP8Format, device):
