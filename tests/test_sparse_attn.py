@@ -25,6 +25,7 @@ import torch
 from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+from mm3_compile.kernels.sparse_attn import prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
 from mm3_compile.ops._kv import resolve_cache_view
 
@@ -202,6 +203,18 @@ def test_prefill_matches_reference(model_dtype, layout, D, Hkv, G, device):
 def test_prefill_head_groups_and_list_lengths(G, T, device):
     case = build(device, [(200, 3), (390, 4)], D=64, Hkv=2 if G < 16 else 1, G=G, T=T)
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
+
+
+def test_prefill_tile_follows_the_block_table_width(device):
+    """Wide block tables (lists drawn from many blocks) switch bf16 prefill to 2-token tiles; FP8 keeps
+    64-row tiles.  A table padded past the threshold with real pages must give the reference's output."""
+    assert prefill.prefill_block_q(16, 64, fp8=False) == 8 and prefill.prefill_block_q(8, 64, fp8=False) == 16
+    assert prefill.prefill_block_q(16, prefill.WIDE_TABLE_BLOCKS, fp8=False) == prefill.WIDE_TABLE_BLOCK_Q
+    assert prefill.prefill_block_q(16, 1024, fp8=True) == 4 and prefill.prefill_block_q(8, 1024, fp8=True) == 8
+    case = build(device, [(300, 9), (263, 6)], D=64, Hkv=1, G=16)
+    pad = case.block_table[:, :1].expand(-1, prefill.WIDE_TABLE_BLOCKS)  # columns no list can name
+    case.block_table = torch.cat([case.block_table, pad], dim=1)
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16, "wide")
 
 
 @pytest.mark.parametrize("target, spec, layout, scale", FP8_CASES)

@@ -373,16 +373,17 @@ def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_
 LOG2E = 1.4426950408889634
 
 
-def kernel_options(device: torch.device, fp8_decode: bool = False) -> dict:
-    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps, 2 stages
-    (4 warps spill up to 3.9 KB of stack), except FP8 decode tiles (16 rows), where 4 warps measured
-    3-7% faster despite their spills (H200: TP1 B128 144 vs 155 us, TP8 B32 17.7 vs 18.1 us); 3
-    stages or 1 stage were slower at B >= 32.  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
+def kernel_options(device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False) -> dict:
+    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps and 2 stages
+    for bf16 decode (16 rows; 4 warps spill up to 3.9 KB of stack, 3 or 1 stages were slower at
+    B >= 32) and 128-row prefill tiles; 4 warps for FP8 decode (H200: TP1 B128 144 vs 155 us, TP8 B32
+    17.7 vs 18.1 us) and for prefill tiles of <= 64 rows (8 warps measured 10-80% slower there).
+    gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
     if platform.interpreting() or device.type != "cuda":
         return dict(DOT_FP32=True, num_warps=4)
     if platform.platform_for(device).vendor == "amd":
         return dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    return dict(DOT_FP32=False, num_warps=4 if fp8_decode else 8, num_stages=2)
+    return dict(DOT_FP32=False, num_warps=4 if fp8_decode or (prefill and block_m <= 64) else 8, num_stages=2)
 
 
 def launch_sparse_attn(
@@ -438,5 +439,8 @@ def launch_sparse_attn(
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
         SCALE_MODE=scale_mode, **fp8_constants,
-        **kernel_options(q.device, fp8_decode=fmt is not None and cu_seqlens_q is None and block_q == 1),
+        **kernel_options(
+            q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
+            fp8_decode=fmt is not None and cu_seqlens_q is None and block_q == 1,
+        ),
     )  # fmt: skip

@@ -11,15 +11,29 @@ import triton
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile.platform import FP8Format
 
-# Rows (token x query head) per program: 128 fills a tensor-core tile while the tokens' top-k
-# lists still overlap (neighbouring queries share their own and local blocks).
+# Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
+# trades tensor-core tile height against wasted rows: with lists drawn from few blocks (short contexts)
+# 128-row tiles share most of them; with many candidate blocks every token adds ~15 new blocks to the
+# union (8 tokens: ~84 of 144 blocks, 16 useful per token) and 2-token tiles do ~3x less dot work.
+# H200 measurements (bench/NOTES.md): bf16 128 rows / 8 warps is best at 64 table blocks, 2 tokens /
+# 4 warps from 96 (1.7x faster at 144); FP8 64 rows / 4 warps at every width (its per-block dequant
+# favours fewer, taller tiles than bf16's best small one).
 PREFILL_ROWS = 128
+FP8_PREFILL_ROWS = 64
+WIDE_TABLE_BLOCKS = 96
+WIDE_TABLE_BLOCK_Q = 2
 MAX_BLOCK_Q = 16
 
 
-def prefill_block_q(G: int) -> int:
-    """Consecutive query tokens per program: G=16 -> 8, G<=8 -> 16 (rows = tokens x pow2(G))."""
-    return max(1, min(MAX_BLOCK_Q, PREFILL_ROWS // triton.next_power_of_2(int(G))))
+def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
+    """Consecutive query tokens per program, from the head grouping, the block-table width (the most
+    blocks a list can choose from) and the KV dtype."""
+    heads = triton.next_power_of_2(int(G))
+    if fp8:
+        return max(1, min(MAX_BLOCK_Q, FP8_PREFILL_ROWS // heads))
+    if table_blocks >= WIDE_TABLE_BLOCKS:
+        return WIDE_TABLE_BLOCK_Q
+    return max(1, min(MAX_BLOCK_Q, PREFILL_ROWS // heads))
 
 
 def sparse_attn_prefill(
@@ -40,6 +54,7 @@ def sparse_attn_prefill(
     Hq, Hkv = q.shape[1], kv_cache.shape[1]
     launch_sparse_attn(
         q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        out, None, q_per_req=1, num_splits=1, blocks_per_split=T, block_q=prefill_block_q(Hq // Hkv),
+        out, None, q_per_req=1, num_splits=1, blocks_per_split=T,
+        block_q=prefill_block_q(Hq // Hkv, block_table.shape[1], fmt is not None),
     )  # fmt: skip
     return out
