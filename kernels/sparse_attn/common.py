@@ -262,30 +262,34 @@ def sparse_attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     if BLOCK_Q == 1:
-        # One token: walk its slots with a counted loop (software-pipelinable on the GPU); a slot
-        # counts if valid and no earlier slot names the same block.  Split c owns slots
-        # [c * blocks_per_split, (c + 1) * blocks_per_split).
+        # One token: walk its slots with a counted loop.  Every slot's page was resolved above, with
+        # the list and the block table read once as vectors, so the loop's only memory traffic is
+        # K/V, whose addresses come from registers: the software pipeliner can load block i + 1 while
+        # block i is computed (per-slot id -> block-table loads made each step wait on two dependent
+        # latencies before its K/V copy could even start).  A slot counts if valid and no earlier
+        # slot names the same block.  Split c owns slots [c * blocks_per_split, (c + 1) * blocks_per_split).
         tok_pos = tl.max(pos)
-        tok_last_block = tl.max(last_block)
         tok_req = tl.max(req)
         tok_seq_len = tl.load(seq_lens_ptr + tok_req)
         tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
-        topk_row = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tl.max(token).to(tl.int64) * stride_tkt
-        bt_row = block_table_ptr + tok_req.to(tl.int64) * stride_btr
+        tok_pages = tl.max(tl.where(valid, pages, -1), axis=0)  # [BLOCK_T], -1: slot skipped
+        earlier = slots[None, :] < slots[:, None]  # [BLOCK_T, BLOCK_T]: slot s' comes before slot s
+        repeat = tl.max(((tok_ids[None, :] == tok_ids[:, None]) & earlier).to(tl.int32), axis=1) > 0
+        # (page, block) of each slot in one int64: the loop picks its slot with a single reduction
+        slot_keys = tl.where((tok_pages >= 0) & ~repeat, (tok_pages.to(tl.int64) << 32) | tok_ids.to(tl.int64), -1)
         slot_begin = split * blocks_per_split
         slot_end = tl.minimum(slot_begin + blocks_per_split, tl.max(n_slots))
         for slot in range(slot_begin, slot_end):
-            block = tl.load(topk_row + slot * stride_tks)
-            repeat = tl.max(((tok_ids == block) & (slots < slot)).to(tl.int32)) > 0
-            slot_ok = (block >= 0) & (block <= tok_last_block) & (block < max_blocks) & (repeat == 0)
-            page = tl.load(bt_row + tl.where(slot_ok, block, 0).to(tl.int64) * stride_btb, mask=slot_ok, other=-1)
-            slot_ok = slot_ok & (page >= 0) & (page < num_blocks)
+            slot_key = tl.max(tl.where(slots == slot, slot_keys, -1))
+            slot_ok = slot_key >= 0
+            page = tl.where(slot_ok, slot_key >> 32, 0)
+            block = (slot_key & 0x7FFFFFFF).to(tl.int32)
             # -1 marks a skipped slot (a scalar-bool & vector mask trips the interpreter)
             key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions
             key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
             visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
             m, l, acc = _attend_block(
-                q, m, l, acc, head_base, tl.where(slot_ok, page, 0).to(tl.int64), key_ok, visible, k_scale, v_scale,
+                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
                 D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
