@@ -43,6 +43,17 @@ def eager_launches():
         yield
 
 
+def size_hint(n) -> int | None:
+    """A size's example value for a performance choice, without guarding on it (None if it has none).
+
+    Under ``dynamic=True`` a launch option picked from the hint stays in the graph for every size: the
+    results stay correct, only the choice may be the second best for sizes far from the hint.
+    """
+    if isinstance(n, torch.SymInt):
+        return n.node.hint if n.node.has_hint() else None
+    return int(n)
+
+
 def empty_row_major(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty`` with its row-major strides spelled out.
 

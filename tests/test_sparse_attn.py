@@ -17,13 +17,15 @@ casts ("reference path") in the flavour the dtype authority gives for the emulat
 """
 
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import eager_launches
+from mm3_compile.kernels._launch import eager_launches, size_hint
+from mm3_compile.kernels.sparse_attn import common as sparse_common
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
@@ -288,6 +290,40 @@ def test_split_plan_fills_the_target_grid():
     assert decode_kernels.split_plan(1, 1, 16, cpu) == (8, 2)  # 8 programs in the interpreter
     assert decode_kernels.split_plan(1000, 4, 16, cpu) == (1, 16)
     assert decode_kernels.split_plan(3, 1, 4, cpu) == (2, 2)
+
+
+def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
+    """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 3 stages while the
+    grid fits one wave; FP8 decode keeps two programs per SM and 2 stages."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(decode_kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
+    monkeypatch.setattr(platform, "platform_for", lambda device=None: platform._platform_for_target("sm_90", False))
+    monkeypatch.setattr(decode_kernels, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sparse_common, "sm_count", lambda index: 132)
+    bf16, fp8 = decode_kernels.BF16_PROGRAMS_PER_SM, decode_kernels.PROGRAMS_PER_SM
+    assert decode_kernels.split_plan(32, 4, 16, cuda, bf16) == (1, 16)  # TP1 B32: 128 programs
+    assert decode_kernels.split_plan(32, 1, 16, cuda, bf16) == (4, 4)  # TP8 B32
+    assert decode_kernels.split_plan(32, 1, 16, cuda, fp8) == (8, 2)
+    assert decode_kernels.split_plan(128, 4, 16, cuda, bf16) == (1, 16)  # TP1 B128: 4 programs per SM
+    options = functools.partial(sparse_common.kernel_options, cuda, 16, False)
+    assert options(bf16_decode_programs=132)["num_stages"] == 3
+    assert options(bf16_decode_programs=133)["num_stages"] == 2
+    assert options(bf16_decode_programs=None)["num_stages"] == 2  # FP8, prefill, multi-token tiles
+    assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=2)
+
+
+def test_launch_choices_read_size_hints_without_guards():
+    """Under dynamic shapes the split/stage choice reads the example batch and adds no guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    batch = env.create_symintnode(env.create_symbol(32, ConstantSource("batch"), DimDynamic.DYNAMIC), hint=32)
+    assert size_hint(batch * 4) == 128 and size_hint(7) == 7
+    assert size_hint(env.create_unbacked_symint()) is None
+    assert not env.guards
 
 
 def test_shared_counters_are_real_tensors_only():
@@ -555,7 +591,9 @@ aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qt", "stride_
                                                            "stride_kt")]
 source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                    {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-num_warps, num_stages = ((4 if kv_type != "*bf16" and block_q == 1 else 8), 2) if target_name == "sm_90" else (4, 1)
+bf16_decode = kv_type == "*bf16" and block_q == 1
+num_warps, num_stages = ((4 if kv_type != "*bf16" and block_q == 1 else 8), 3 if bf16_decode else 2) \
+    if target_name == "sm_90" else (4, 1)
 compiled = triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 print("compiled", sorted(compiled.asm))
 """
@@ -565,6 +603,7 @@ print("compiled", sorted(compiled.asm))
     "target, kv_type, G, D, block_q, varlen, scale_mode, native",
     [
         ("sm_90", "*bf16", 16, 128, 8, 1, 0, 0),  # TP1 prefill tile
+        ("sm_90", "*bf16", 16, 128, 1, 0, 0, 0),  # TP1 bf16 decode, 3 stages
         ("sm_90", "*u8", 8, 64, 16, 1, 2, 0),  # FP8 bytes, per-slot scales, D 64
         ("gfx942", "*fp8e4b8", 16, 128, 1, 0, 1, 1),  # split decode on MI300: typed e4m3fnuz
         ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1),  # split decode on the H200 at TP8: typed e4m3fn, scalar scale

@@ -31,12 +31,14 @@ Under the interpreter (``DOT_FP32``) the model-dtype operands are widened to fp3
 because its bf16 dots are wrong; the roundings are kept so both paths see the same operands.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import launch
+from mm3_compile.kernels._launch import launch, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, format_constants
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
@@ -377,17 +379,30 @@ def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_
 LOG2E = 1.4426950408889634
 
 
-def kernel_options(device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False) -> dict:
-    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps and 2 stages
-    for bf16 decode (16 rows; 4 warps spill up to 3.9 KB of stack, 3 or 1 stages were slower at
-    B >= 32) and 128-row prefill tiles; 4 warps for FP8 decode (H200: TP1 B128 144 vs 155 us, TP8 B32
-    17.7 vs 18.1 us) and for prefill tiles of <= 64 rows (8 warps measured 10-80% slower there).
-    gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def kernel_options(
+    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, bf16_decode_programs: int | None = None
+) -> dict:
+    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps for bf16
+    decode (16 rows; 4 warps spill up to 3.9 KB of stack) and 128-row prefill tiles; 4 warps for FP8
+    decode (H200: TP1 B128 144 vs 155 us, TP8 B32 17.7 vs 18.1 us) and for prefill tiles of <= 64 rows
+    (8 warps measured 10-80% slower there).  Stages: 3 for a one-token bf16 decode grid
+    (``bf16_decode_programs``) of at most one program per SM, which then keeps two blocks in flight
+    behind the one it computes (H200, same run: TP1 B32 37.6 vs 41.2 us with 2 stages and twice the
+    splits, TP8 B128 37.7 vs 40.9 us); 2 otherwise (TP1 B128, 4 programs per SM: 133 vs 141 us; FP8
+    TP1 B32: 44.4 vs 48.5 us).  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
     if platform.interpreting() or device.type != "cuda":
         return dict(DOT_FP32=True, num_warps=4)
     if platform.platform_for(device).vendor == "amd":
         return dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    return dict(DOT_FP32=False, num_warps=4 if fp8_decode or (prefill and block_m <= 64) else 8, num_stages=2)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count(index)
+    num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
+    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
 
 def launch_sparse_attn(
@@ -428,8 +443,10 @@ def launch_sparse_attn(
         k_scale = v_scale = seq_lens  # never read: the kernel's scale branches are compiled out
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
+    bf16_decode = fmt is None and cu_seqlens_q is None and block_q == 1
     launch(
-        sparse_attn_fwd_kernel, (triton.cdiv(total_q, block_q) * num_splits, Hkv),
+        sparse_attn_fwd_kernel, grid,
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
         k_scale, v_scale, out, *(split_buffers if split_buffers is not None else (out, out, out)),
         total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, blocks_per_split,
@@ -446,5 +463,6 @@ def launch_sparse_attn(
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and cu_seqlens_q is None and block_q == 1,
+            bf16_decode_programs=size_hint(grid[0] * Hkv) if bf16_decode else None,
         ),
     )  # fmt: skip

@@ -20,7 +20,6 @@ The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq
 AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.
 """
 
-import functools
 import threading
 
 import torch
@@ -29,11 +28,15 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import launches_traced
-from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
+from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn, sm_count
 from mm3_compile.platform import FP8Format, interpreting
 
-# Programs per SM the split-K grid aims for: enough (token, KV head, split) programs in flight to
-# hide the dependent top-k -> block-table -> page loads.
+# Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher
+# runs with 3 pipeline stages (common.kernel_options; H200: TP1 B32 1 split 37.6 us vs 2 splits
+# 41.2 us, TP8 B32 4 splits 16.3 vs 8 splits 17.4 us).  FP8 and multi-token tiles: two per SM,
+# enough programs in flight to hide the dependent top-k -> block-table -> page loads (FP8 TP1 B32:
+# 44.4 us with 2 splits vs 48.5 us as one 3-stage wave).
+BF16_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
 # exercise the merge).
@@ -45,27 +48,22 @@ _shared_counters: dict[tuple[str, int | None], torch.Tensor] = {}
 _shared_counters_lock = threading.Lock()
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, per_sm: int) -> int:
     if device.type != "cuda" or interpreting():
         return INTERPRETER_TARGET_PROGRAMS
-    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _rocm(device: torch.device) -> bool:
     return device.type == "cuda" and platform.hardware_vendor(device) == "amd"
 
 
-def split_plan(total_q, num_kv_heads: int, topk, device: torch.device):
-    """(num_splits, blocks_per_split) from shapes: split the T blocks until the grid fills the GPU."""
+def split_plan(total_q, num_kv_heads: int, topk, device: torch.device, per_sm: int = PROGRAMS_PER_SM):
+    """(num_splits, blocks_per_split) from shapes: split the T blocks until the grid has ``per_sm`` programs per SM."""
     if _rocm(device):
         return 1, topk
     work = torch.sym_max(1, total_q * num_kv_heads)
-    wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device) // work))
+    wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device, per_sm) // work))
     blocks_per_split = (topk + wanted - 1) // wanted
     return (topk + blocks_per_split - 1) // blocks_per_split, blocks_per_split
 
@@ -113,7 +111,8 @@ def sparse_attn_decode(
     T = topk_idx.shape[2]
     q_per_req = total_q // seq_lens.shape[0]
     if num_splits is None:
-        num_splits, blocks_per_split = split_plan(total_q, Hkv, T, q.device)
+        per_sm = BF16_PROGRAMS_PER_SM if fmt is None and block_q == 1 else PROGRAMS_PER_SM
+        num_splits, blocks_per_split = split_plan(total_q, Hkv, T, q.device, per_sm)
     else:
         if num_splits > 1 and _rocm(q.device):
             raise ValueError(f"num_splits: decode does not split on ROCm (see the module docstring), got {num_splits}")
