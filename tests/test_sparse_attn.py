@@ -366,6 +366,25 @@ def test_decode_fp8_queries_outside_fp16_range(q_factor, device):
     assert_close(out, ref, torch.bfloat16, f"q x {q_factor}")
 
 
+@pytest.mark.parametrize("v_scale", [0.0, 2.0**-100, -0.75, 1.5 * 2.0**127])
+def test_decode_fp8_v_scale_values(v_scale, device):
+    """FP8 decode applies a scalar v_scale to its output instead of to V: zero, tiny, negative and
+    near-maximal scales give the reference's result, overflowing only where the true output exceeds
+    bf16's range."""
+    with platform.emulate("sm_90"):
+        case = build(device, [(260, 1), (129, 1), (700, 1)], spec="fp8", scale="scalar", Hkv=2, G=2)
+        case = dataclasses.replace(case, v_scale=torch.tensor([v_scale], device=device))
+        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    if v_scale == 0.0:
+        assert (out == 0).all()
+        return
+    finite = ref.to(torch.bfloat16).isfinite()
+    assert torch.equal(out.isfinite(), finite), f"v_scale {v_scale}: overflow pattern differs"
+    unit = lambda t: torch.where(finite, t.double() / v_scale, 0.0).to(torch.bfloat16)  # noqa: E731
+    assert_close(unit(out), unit(ref), torch.bfloat16, f"v_scale {v_scale}")
+
+
 def test_scales_ignored_for_bf16_cache(device):
     case = build(device, [(200, 1), (150, 1)])
     scales = torch.tensor([4.0], device=device)

@@ -357,9 +357,9 @@ def sparse_attn_fwd_kernel(
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
     has_keys = l > 0.0
-    if FP16_DOTS:
-        acc = acc * v_scale
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    if FP16_DOTS:
+        o = o * v_scale  # after normalising: acc (a sum of up to T * 128 weighted values) could overflow
     Hq = G * tl.num_programs(1)
     row_offset = token.to(tl.int64) * Hq + heads  # [BLOCK_M] (token, head) row of [total_q, Hq]
     out_ptrs = out_ptr + row_offset[:, None] * D + dims[None, :]
