@@ -497,7 +497,7 @@ def launch_sparse_attn(
         **fp8_constants,
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
-            fp8_decode=fmt is not None and cu_seqlens_q is None and block_q == 1,
+            fp8_decode=fmt is not None and decode_tile,
             bf16_decode_programs=size_hint(grid[0] * Hkv) if bf16_decode else None,
         ),
     )  # fmt: skip
