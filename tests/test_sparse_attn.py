@@ -353,17 +353,23 @@ def test_decode_fp8(target, spec, layout, scale, device):
     assert_close(out, ref, torch.bfloat16, f"{target} {spec}")
 
 
+@pytest.mark.parametrize("op", ["prefill", "decode"])
 @pytest.mark.parametrize("q_factor", [2.0**20, 2.0**-66])
-def test_decode_fp8_queries_outside_fp16_range(q_factor, device):
-    """FP8 decode runs its dots on fp16 operands: queries far beyond fp16's range (which would overflow)
+def test_fp8_queries_outside_fp16_range(op, q_factor, device):
+    """FP8 attention runs its dots on fp16 operands: queries far beyond fp16's range (which would overflow)
     or below its normal range (which would flush) are rescaled by a power of two per row, so with
     ``sm_scale`` compensating, the logits and the output match the reference."""
+    reqs = [(300, 6), (70, 3)] if op == "prefill" else [(260, 1), (129, 1), (700, 1)]
     with platform.emulate("sm_90"):
-        case = build(device, [(260, 1), (129, 1), (700, 1)], spec="fp8", scale="scalar", Hkv=2, G=2)
+        case = build(device, reqs, spec="fp8", scale="scalar", Hkv=2, G=2)
         case = dataclasses.replace(case, q=case.q * q_factor, sm_scale=case.sm_scale / q_factor)
-        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
-    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
-    assert_close(out, ref, torch.bfloat16, f"q x {q_factor}")
+        if op == "prefill":
+            out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+            ref = case.reference()
+        else:
+            out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+            ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(out, ref, torch.bfloat16, f"{op}, q x {q_factor}")
 
 
 @pytest.mark.parametrize("v_scale", [0.0, 2.0**-100, -0.75, 1.5 * 2.0**127])
@@ -605,7 +611,7 @@ block_h = max(triton.next_power_of_2(G), 16 // block_q)
 constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
                   IS_FP8=kv_type != "*bf16", NATIVE_FP8=native == "1", SCALE_MODE=int(scale_mode), DOT_FP32=False,
                   FP8_MANT=3, FP8_BIAS=8 if "b8" in kv_type else 7, FP8_FNUZ="b8" in kv_type, FP8_HAS_INF=False,
-                  FP16_DOTS=kv_type != "*bf16" and block_q == 1 and varlen != "1" and scale_mode != "2")
+                  FP16_DOTS=kv_type != "*bf16" and scale_mode != "2")
 pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                 v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 

@@ -27,7 +27,7 @@ selected blocks are a set (an id listed twice counts once).
 Numerics (base 2, log2(e) folded into the scale): running max ``m``, running sum ``l`` and the
 accumulator in fp32; K/V are dequantised to the model dtype (FP8 bytes -> fp32 -> x scale ->
 model dtype) and P is rounded to the model dtype before P.V, as on the GPU's bf16 tensor-core path.
-One-token decode over an FP8 cache with scalar (or no) scales (``FP16_DOTS``) instead feeds both
+Attention over an FP8 cache with scalar (or no) scales (``FP16_DOTS``) instead feeds both
 dots fp16 operands: the FP8 values exactly (one hardware conversion each, no multiply), q rescaled
 per row by a power of two into fp16's range, k_scale folded into the logit scale, v_scale applied to
 the output, P rounded to fp16.  Its operands are more exact than the bf16 path's, and the loop loses
@@ -477,8 +477,7 @@ def launch_sparse_attn(
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
-    decode_tile = cu_seqlens_q is None and block_q == 1
-    bf16_decode = fmt is None and decode_tile
+    bf16_decode = fmt is None and cu_seqlens_q is None and block_q == 1
     launch(
         sparse_attn_fwd_kernel, grid,
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
@@ -493,7 +492,7 @@ def launch_sparse_attn(
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
-        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and decode_tile,
+        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD,
         **fp8_constants,
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
