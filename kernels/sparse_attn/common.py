@@ -477,7 +477,8 @@ def launch_sparse_attn(
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
-    bf16_decode = fmt is None and cu_seqlens_q is None and block_q == 1
+    decode_tile = cu_seqlens_q is None and block_q == 1
+    bf16_decode = fmt is None and decode_tile
     launch(
         sparse_attn_fwd_kernel, grid,
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
