@@ -294,7 +294,7 @@ def test_split_plan_fills_the_target_grid():
 
 def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
     """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 3 stages while the
-    grid fits one wave; FP8 decode keeps two programs per SM and 2 stages."""
+    grid fits one wave; FP8 decode keeps two programs per SM and runs 3 stages."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(decode_kernels, "interpreting", lambda: False)
@@ -310,8 +310,8 @@ def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
     options = functools.partial(sparse_common.kernel_options, cuda, 16, False)
     assert options(bf16_decode_programs=132)["num_stages"] == 3
     assert options(bf16_decode_programs=133)["num_stages"] == 2
-    assert options(bf16_decode_programs=None)["num_stages"] == 2  # FP8, prefill, multi-token tiles
-    assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=2)
+    assert options(bf16_decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
+    assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
 
 
 def test_launch_choices_read_size_hints_without_guards():

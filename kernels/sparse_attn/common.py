@@ -422,12 +422,13 @@ def kernel_options(
 ) -> dict:
     """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps for bf16
     decode (16 rows; 4 warps spill up to 3.9 KB of stack) and 128-row prefill tiles; 4 warps for FP8
-    decode (H200: TP1 B128 144 vs 155 us, TP8 B32 17.7 vs 18.1 us) and for prefill tiles of <= 64 rows
-    (8 warps measured 10-80% slower there).  Stages: 3 for a one-token bf16 decode grid
-    (``bf16_decode_programs``) of at most one program per SM, which then keeps two blocks in flight
-    behind the one it computes (H200, same run: TP1 B32 37.6 vs 41.2 us with 2 stages and twice the
-    splits, TP8 B128 37.7 vs 40.9 us); 2 otherwise (TP1 B128, 4 programs per SM: 133 vs 141 us; FP8
-    TP1 B32: 44.4 vs 48.5 us).  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
+    decode (H200: TP1 B128 94 vs 135 us with 8) and for prefill tiles of <= 64 rows (8 warps measured
+    10-80% slower there).  Stages: 3 for a one-token bf16 decode grid (``bf16_decode_programs``) of at
+    most one program per SM, which then keeps two blocks in flight behind the one it computes (H200,
+    same run: TP1 B32 37.6 vs 41.2 us with 2 stages and twice the splits, TP8 B128 37.7 vs 40.9 us),
+    and for FP8 decode, whose 1-byte tiles leave room for two 3-stage programs per SM (TP1 B128 94.2
+    vs 104.6 us with 2 stages, TP1 B32 30.7 vs 33.5, TP8 B128 30.9 vs 33.3); 2 otherwise (TP1 B128
+    bf16, 4 programs per SM: 133 vs 141 us).  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
     if platform.interpreting() or device.type != "cuda":
         return dict(DOT_FP32=True, num_warps=4)
     if platform.platform_for(device).vendor == "amd":
@@ -435,7 +436,7 @@ def kernel_options(
     index = device.index if device.index is not None else torch.cuda.current_device()
     one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count(index)
     num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
-    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
+    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
 
 
 def launch_sparse_attn(

@@ -34,8 +34,8 @@ from mm3_compile.platform import FP8Format, interpreting
 # Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher
 # runs with 3 pipeline stages (common.kernel_options; H200: TP1 B32 1 split 37.6 us vs 2 splits
 # 41.2 us, TP8 B32 4 splits 16.3 vs 8 splits 17.4 us).  FP8 and multi-token tiles: two per SM,
-# enough programs in flight to hide the dependent top-k -> block-table -> page loads (FP8 TP1 B32:
-# 44.4 us with 2 splits vs 48.5 us as one 3-stage wave).
+# enough programs in flight to hide the dependent top-k -> block-table -> page loads (FP8 TP1 B32,
+# both 3 stages: 30.7 us with 2 splits vs 33.7 us as one wave).
 BF16_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
