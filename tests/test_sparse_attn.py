@@ -207,13 +207,18 @@ def test_prefill_head_groups_and_list_lengths(G, T, device):
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
 
 
-def test_prefill_tile_follows_the_block_table_width(device):
-    """Wide block tables (lists drawn from many blocks) switch bf16 prefill to 2-token tiles; FP8 keeps
-    64-row tiles.  A table padded past the threshold with real pages must give the reference's output."""
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+def test_prefill_tile_follows_the_block_table_width(spec, device):
+    """Wide block tables (lists drawn from many blocks) switch prefill to 16-row tiles (one token per
+    program at 16 query heads per KV head); narrower ones take 128 rows (bf16) or 64 (FP8).  A table
+    padded past the threshold with real pages must give the reference's output."""
     assert prefill.prefill_block_q(16, 64, fp8=False) == 8 and prefill.prefill_block_q(8, 64, fp8=False) == 16
-    assert prefill.prefill_block_q(16, prefill.WIDE_TABLE_BLOCKS, fp8=False) == prefill.WIDE_TABLE_BLOCK_Q
-    assert prefill.prefill_block_q(16, 1024, fp8=True) == 4 and prefill.prefill_block_q(8, 1024, fp8=True) == 8
-    case = build(device, [(300, 9), (263, 6)], D=64, Hkv=1, G=16)
+    assert prefill.prefill_block_q(16, 64, fp8=True) == 4 and prefill.prefill_block_q(8, 64, fp8=True) == 8
+    for fp8 in (False, True):
+        wide = prefill.WIDE_TABLE_BLOCKS
+        assert prefill.prefill_block_q(16, wide, fp8) == 1 and prefill.prefill_block_q(8, wide, fp8) == 2
+        assert prefill.prefill_block_q(3, 1024, fp8) == 4  # 4 padded heads x 4 tokens
+    case = build(device, [(300, 9), (263, 6)], D=64, Hkv=1, G=16, spec=spec, scale="scalar")
     pad = case.block_table[:, :1].expand(-1, prefill.WIDE_TABLE_BLOCKS)  # columns no list can name
     case.block_table = torch.cat([case.block_table, pad], dim=1)
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16, "wide")

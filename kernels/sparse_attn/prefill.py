@@ -14,26 +14,26 @@ from mm3_compile.platform import FP8Format
 # Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
 # trades tensor-core tile height against wasted rows: with lists drawn from few blocks (short contexts)
 # 128-row tiles share most of them; with many candidate blocks every token adds ~15 new blocks to the
-# union (8 tokens: ~84 of 144 blocks, 16 useful per token) and 2-token tiles do ~3x less dot work.
-# H200 measurements (bench/NOTES.md): bf16 128 rows / 8 warps is best at 64 table blocks, 2 tokens /
-# 4 warps from 96 (1.7x faster at 144); FP8 64 rows / 4 warps at every width (its per-block dequant
-# favours fewer, taller tiles than bf16's best small one).
+# union (8 tokens: ~84 of 144 blocks, 16 useful per token) and the smallest tile a dot takes (16 rows:
+# one token at TP1, two at TP8) does the least wasted work.  H200 measurements (bench/NOTES.md): at 64
+# table blocks bf16 is best at 128 rows / 8 warps and FP8 at 64 rows / 4 warps (its per-block
+# conversion favours fewer tiles); at 144 blocks 16-row tiles / 4 warps are best for both (TP1 4x2048
+# after a 16k prefix: bf16 104.7 TFLOP/s vs 75.1 with 32 rows, FP8 105.5 vs 64.7 with 64 rows).
 PREFILL_ROWS = 128
 FP8_PREFILL_ROWS = 64
 WIDE_TABLE_BLOCKS = 96
-WIDE_TABLE_BLOCK_Q = 2
+WIDE_TABLE_ROWS = 16
 MAX_BLOCK_Q = 16
 
 
 def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
     """Consecutive query tokens per program, from the head grouping, the block-table width (the most
     blocks a list can choose from) and the KV dtype."""
-    heads = triton.next_power_of_2(int(G))
-    if fp8:
-        return max(1, min(MAX_BLOCK_Q, FP8_PREFILL_ROWS // heads))
     if table_blocks >= WIDE_TABLE_BLOCKS:
-        return WIDE_TABLE_BLOCK_Q
-    return max(1, min(MAX_BLOCK_Q, PREFILL_ROWS // heads))
+        rows = WIDE_TABLE_ROWS
+    else:
+        rows = FP8_PREFILL_ROWS if fp8 else PREFILL_ROWS
+    return max(1, min(MAX_BLOCK_Q, rows // triton.next_power_of_2(int(G))))
 
 
 def sparse_attn_prefill(
