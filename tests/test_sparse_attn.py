@@ -262,10 +262,12 @@ def test_decode_matches_reference(model_dtype, layout, D, Hkv, G, device):
     assert_close(out, ref, model_dtype, "decode")
 
 
-@pytest.mark.parametrize("num_splits, block_q, q_per_req", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (2, 4, 2), (3, 2, 3)])
+@pytest.mark.parametrize(
+    "num_splits, block_q, q_per_req", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (7, 1, 1), (2, 4, 2), (3, 2, 3)]
+)
 def test_decode_split_counts(num_splits, block_q, q_per_req, device):
-    """Any split count merges to the same answer, including splits that own no block (3 splits of 4
-    slots); token tiles (block_q > 1) split the union of their blocks and may straddle requests."""
+    """Any split count merges to the same answer, including splits that own no block (3 or 7 splits of
+    4 slots); token tiles (block_q > 1) split the union of their blocks and may straddle requests."""
     case = build(device, [(400, q_per_req), (0, q_per_req), (200, q_per_req)], D=64, Hkv=1, G=4, T=4)
     view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
 
