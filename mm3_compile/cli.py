@@ -141,6 +141,7 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
         random_full_state,
         run_demo_workload,
     )
+    from mm3_compile.models.reference import ROUTE_SWAP_WINDOW
 
     config = MiniMaxM3Config.preset(args.config)
     prompt_lens = [300, 140, 200, 260][: args.batch] + [128] * max(0, args.batch - 4)
@@ -195,6 +196,7 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
         {"check": "compiled vs eager: logits err per token p50/p99/max", "value": f"{spread(token_err)} of max |logit| (bf16-level differences move MXFP8 codes and near-tied routes, then compound)"},
         {"check": "eager / compiled vs reference: worst sub-block err", "value": f"{report.worst_sub_block:.3g} / {compiled_report.worst_sub_block:.3g} (teacher forced; bf16 rounding ~1e-2)"},
         {"check": "eager / compiled vs reference: top-k mismatches (near ties)", "value": f"{sum(report.topk_mismatch)} / {sum(compiled_report.topk_mismatch)} ({sum(report.topk_near_ties)} / {sum(compiled_report.topk_near_ties)}: lists that differ only by blocks scored within a bf16-ulp bound)"},
+        {"check": "eager / compiled vs reference: MoE tokens on their near-tied swapped route", "value": f"{sum(report.route_swaps)} / {sum(compiled_report.route_swaps)} (margin < {ROUTE_SWAP_WINDOW:g}; such a token is checked against that route)"},
         {"check": "eager vs reference (free running): logits err p50/p99/max", "value": f"{spread(free_err)} of max |logit|"},
     ]
     for i, (e, w) in enumerate(zip(eager.steps, warm.steps)):

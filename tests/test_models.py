@@ -28,10 +28,11 @@ from mm3_compile.models import (
 )
 from mm3_compile.models.layers import mxfp8_dequantize, route
 from mm3_compile.models.reference import (
-    ROUTING_TIE,
+    ROUTE_SWAP_WINDOW,
     ReferenceModel,
     compare_with_reference,
     mx_quant_dequant,
+    route_swaps_taken,
     select_blocks,
     sub_block_errors,
     topk_set_mismatches,
@@ -108,6 +109,50 @@ def test_routing_and_mxfp8_weights_match_reference():
     assert torch.equal(mxfp8_dequantize(values, scales, torch.float32), mx_quant_dequant(w, torch.device("cpu")))
 
 
+def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
+    """A near-tied token's MoE output may follow its swapped route (k-th <-> (k+1)-th expert), and is then
+    held to that route's accuracy; any other route is an error.  The op model's own MoE modules produce
+    the outputs, the reference judges them."""
+    cfg = MiniMaxM3Config.tiny()
+    state = random_full_state(cfg, seed=0)
+    model = build_model(cfg, state=state)
+    ref = ReferenceModel(cfg, state, model.dtype, "auto")
+    T = 200
+    expected = ref.step(torch.randint(cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)), [T])
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i))
+    moe_block, k = 2 * layer + 2, cfg.num_experts_per_tok  # hiddens index of the layer's MoE output
+    h_mid = expected.hiddens[moe_block - 1].to(model.dtype)  # [T, H]
+    moe = model.layers[layer].mlp
+    with torch.no_grad():
+        x = model.layers[layer].post_attn_norm(h_mid)
+        logits = torch.nn.functional.linear(x.float(), moe.gate_weight)
+        ids, _ = route(logits, moe.correction_bias, k, cfg.routed_scaling_factor)  # [T, k]
+        ranked = (logits.sigmoid() + moe.correction_bias).argsort(-1, descending=True)  # [T, E]
+        margin = expected.route_margin[layer]
+        token = int(margin.argmin())
+        assert margin[token] < ROUTE_SWAP_WINDOW and torch.equal(ids.sort(-1).values, ranked[:, :k].sort(-1).values)
+
+        def block_output(routes):  # [T, H] h_mid + MoE(x) with the given expert ids per token
+            weights = logits.sigmoid().gather(-1, routes)
+            weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+            return h_mid + (moe.experts(x, routes, weights) + moe.shared(x).float()).to(model.dtype)
+
+        def errors(routes):
+            hiddens = list(expected.hiddens)
+            hiddens[moe_block] = block_output(routes)
+            hiddens = [h.to(model.dtype) for h in hiddens]
+            return sub_block_errors(hiddens, expected, hiddens)[moe_block - 1], route_swaps_taken(hiddens, expected)
+
+        swapped, other = ranked[:, :k].clone(), ranked[:, :k].clone()
+        swapped[token, k - 1] = ranked[token, k]
+        other[token, k - 1] = ranked[token, k + 1]
+        assert errors(ranked[:, :k]) == (0.0, 0)  # same route: the reference's numerics exactly
+        err, swaps = errors(swapped)
+        assert err == 0.0 and swaps == 1
+        err, swaps = errors(other)
+        assert err > TOL and swaps == 0
+
+
 def _check_step(run, fn, q_lens):
     """One op-model step vs the teacher-forced reference."""
     cfg = run.ref.cfg
@@ -118,11 +163,8 @@ def _check_step(run, fn, q_lens):
     errors = sub_block_errors(hiddens, expected, hiddens)
     assert max(errors) < TOL, errors
     assert max(errors[1::2]) <= run.mlp_tol, errors  # MLP/MoE sub-blocks: the same quantization points
-    for margin in expected.route_margin.values():  # the routing-tie exclusion must not hollow out the check
-        # at most a quarter of the tokens, but one is allowed: a 3-token decode step on the H200 had
-        # one token with a 9e-4 margin
-        assert int((margin < ROUTING_TIE).sum()) <= max(1, margin.numel() // 4), margin
-        assert (margin >= ROUTING_TIE).any(), margin  # some token's MoE output is always compared
+    # near-tied MoE tokens may take their swapped route (checked against it), but only a few do
+    assert route_swaps_taken(hiddens, expected) <= max(1, sum(q_lens) // 4)
     mismatches, near_ties = topk_set_mismatches(topk, expected)
     assert mismatches == 0
     # The tie allowance must not hollow out the check either: a 64-token prefill on the H200 had one
@@ -231,6 +273,22 @@ def test_demo_workload_api_eager_vs_compiled_vs_reference():
     assert len(report.logits_token_err) == 3
     for err in report.logits_token_err:
         assert err.median() < 0.03 and (err > 0.05).float().mean() <= 1 / 16, err
+
+
+@pytest.mark.gpu
+def test_demo_workload_compiled_by_inductor_on_gpu_matches_reference(device):
+    """The demo's workload on the GPU, compiled by Inductor.  It once reported a 0.256 MoE error: a token
+    whose router margin (1.05e-3) lay just above the old fixed tie allowance took its swapped route."""
+    cfg = MiniMaxM3Config.tiny()
+    state = random_full_state(cfg, seed=0, device=device)
+    model = build_model(cfg, seed=0, device=device, state=state)
+    runtime = PagedKVRuntime(model, num_blocks=8, max_blocks_per_request=4, kv_cache_dtype="auto")
+    counters.clear()
+    compiled = run_demo_workload(model, runtime, 2, [300, 140], 4, compiled=compile_model(model, "inductor"))
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2
+    report = compare_with_reference(compiled, cfg, state, model.dtype, "auto", device=device)
+    assert report.worst_sub_block < TOL and sum(report.topk_mismatch) == 0, report
+    assert sum(report.route_swaps) <= 8, report.route_swaps  # of 448 MoE tokens (440 prompt, 8 decode)
 
 
 @pytest.mark.gpu

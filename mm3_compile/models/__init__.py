@@ -24,7 +24,9 @@ Public API (what ``mm3-compile demo`` uses)::
   includes compilation).
 * ``compare_with_reference`` replays a result through the pure-PyTorch reference: ``worst_sub_block``
   (teacher forced: every attention / MLP / MoE sub-block fed the op model's own input, error beyond one
-  bf16 ulp relative to the sub-block's update; ~1e-2 expected), ``topk_mismatch`` (selected block sets
+  bf16 ulp relative to the sub-block's update; ~1e-2 expected; an MoE token whose k-th and (k+1)-th
+  experts are near-tied may match either route, ``route_swaps`` counts those that took the swapped one),
+  ``topk_mismatch`` (selected block sets
   that differ beyond near-tied blocks, expected 0; ``topk_near_ties`` counts the lists that differ only by
   blocks the reference scores within ``INDEX_TIE`` of each other) and ``logits_max_err`` (free-running end
   to end, informative only: routing and MXFP8 rounding are discontinuous, so a bf16-level difference can
