@@ -109,6 +109,7 @@ def test_routing_and_mxfp8_weights_match_reference():
     assert torch.equal(mxfp8_dequantize(values, scales, torch.float32), mx_quant_dequant(w, torch.device("cpu")))
 
 
+@pytest.mark.interpreter
 def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
     """A near-tied token's MoE output may follow its swapped route (k-th <-> (k+1)-th expert), and is then
     held to that route's accuracy; any other route is an error.  The op model's own MoE modules produce
@@ -116,9 +117,10 @@ def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
     cfg = MiniMaxM3Config.tiny()
     state = random_full_state(cfg, seed=0)
     model = build_model(cfg, state=state)
-    ref = ReferenceModel(cfg, state, model.dtype, "auto")
     T = 200
-    expected = ref.step(torch.randint(cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0)), [T])
+    input_ids = torch.randint(cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
+    own = ReferenceModel(cfg, state, model.dtype, "auto").step(input_ids, [T]).hiddens
+    expected = ReferenceModel(cfg, state, model.dtype, "auto").step(input_ids, [T], forced=own)  # its own outputs
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i))
     moe_block, k = 2 * layer + 2, cfg.num_experts_per_tok  # hiddens index of the layer's MoE output
     h_mid = expected.hiddens[moe_block - 1].to(model.dtype)  # [T, H]
@@ -143,14 +145,19 @@ def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
             hiddens = [h.to(model.dtype) for h in hiddens]
             return sub_block_errors(hiddens, expected, hiddens)[moe_block - 1], route_swaps_taken(hiddens, expected)
 
-        swapped, other = ranked[:, :k].clone(), ranked[:, :k].clone()
+        # a margin of 2e-3 or more is beyond rounding: swapping such a token is a router error (a correction
+        # bias scaled by 0.9 swapped one at 1.94e-3)
+        wide = int(((margin >= 2e-3) & (margin < 1e-2)).nonzero()[0])
+        swapped, other, too_wide = (ranked[:, :k].clone() for _ in range(3))
         swapped[token, k - 1] = ranked[token, k]
         other[token, k - 1] = ranked[token, k + 1]
+        too_wide[wide, k - 1] = ranked[wide, k]
         assert errors(ranked[:, :k]) == (0.0, 0)  # same route: the reference's numerics exactly
         err, swaps = errors(swapped)
         assert err == 0.0 and swaps == 1
-        err, swaps = errors(other)
-        assert err > TOL and swaps == 0
+        for routes in (other, too_wide):
+            err, swaps = errors(routes)
+            assert err > TOL and swaps == 0, (err, swaps)
 
 
 def _check_step(run, fn, q_lens):
@@ -164,10 +171,11 @@ def _check_step(run, fn, q_lens):
     assert max(errors) < TOL, errors
     assert max(errors[1::2]) <= run.mlp_tol, errors  # MLP/MoE sub-blocks: the same quantization points
     # near-tied MoE tokens may take their swapped route (checked against it), but only a few do
-    assert route_swaps_taken(hiddens, expected) <= max(1, sum(q_lens) // 4)
+    swaps = route_swaps_taken(hiddens, expected)
+    assert swaps <= max(1, sum(q_lens) // 4), (swaps, q_lens)
     mismatches, near_ties = topk_set_mismatches(topk, expected)
     assert mismatches == 0
-    # The tie allowance must not hollow out the check either: a 64-token prefill on the H200 had one
+    # The tie allowance must not hollow out the check: a 64-token prefill on the H200 had one
     # near-tied row of 256 (two layers at the real widths).
     assert near_ties <= max(1, topk[0].shape[0] * topk[0].shape[1] // 4), near_ties
     assert topk[0].shape[-1] == cfg.sparse_topk_blocks

@@ -26,8 +26,8 @@ Public API (what ``mm3-compile demo`` uses)::
   (teacher forced: every attention / MLP / MoE sub-block fed the op model's own input, error beyond one
   bf16 ulp relative to the sub-block's update; ~1e-2 expected; an MoE token whose k-th and (k+1)-th
   experts are near-tied may match either route, ``route_swaps`` counts those that took the swapped one),
-  ``topk_mismatch`` (selected block sets
-  that differ beyond near-tied blocks, expected 0; ``topk_near_ties`` counts the lists that differ only by
+  ``topk_mismatch`` (selected block sets that differ beyond near-tied blocks, expected 0;
+  ``topk_near_ties`` counts the lists that differ only by
   blocks the reference scores within ``INDEX_TIE`` of each other) and ``logits_max_err`` (free-running end
   to end, informative only: routing and MXFP8 rounding are discontinuous, so a bf16-level difference can
   flip one token's expert choice).

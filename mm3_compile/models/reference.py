@@ -27,15 +27,16 @@ from mm3_compile import platform
 from mm3_compile.models.config import MiniMaxM3Config
 
 BLOCK = 128
-# Routing scores closer than this are a tie for comparison purposes: at M3 widths, one-ulp bf16 changes in 2%
-# of a router input move the scores by up to ~1e-3 (measured on random weights) and swapped experts only
-# where the gap was < 2.2e-4; about 8% of random tokens fall under 1e-3.
+# Routing scores closer than this are a tie when comparing logits of two op-model runs (TP shards): at M3
+# widths, one-ulp bf16 changes in 2% of a router input move the scores by up to ~1e-3 (measured on random
+# weights) and swapped experts only where the gap was < 2.2e-4; about 8% of random tokens fall under 1e-3.
 ROUTING_TIE = 1e-3
 # Tokens whose k-th and (k+1)-th routing scores are closer than this get a second reference output, with
-# those two experts swapped; a teacher-forced MoE output may match either.  The window is wider than the
-# bf16 noise above because a swap is verified, not excused: on the H200 the compiled tiny model (hidden 256)
-# swapped a token with a 1.05e-3 margin, and its output matched the swapped route to bf16 rounding.
-ROUTE_SWAP_WINDOW = 1e-2
+# those two experts swapped, and a teacher-forced MoE output may match either (the swap is verified, not
+# excused).  1.5x the widest margin a rounding-level swap was seen at: 1.05e-3, Inductor-compiled tiny model
+# (hidden 128) on the H200.  Wider would let router bugs through: with the correction bias scaled by 0.9
+# the op model swapped a token at 1.94e-3.
+ROUTE_SWAP_WINDOW = 1.5e-3
 # Index block scores closer than this fraction of the row's largest |q|.|k| dot are a tie: the op model's
 # index q/k may differ from the reference's by one bf16 ulp where accumulation order changes a rounding.
 # Measured at M3 widths (D 128, hidden 6144): one-ulp changes in 2-5% of the projection outputs moved a score
@@ -255,6 +256,7 @@ class ReferenceModel:
         if k < cfg.num_experts:
             margin = ranked.values[:, k - 1] - ranked.values[:, k]  # [T]
             self.route_margin[layer] = margin
+        if k < cfg.num_experts and self.forced:  # free-running steps are not compared per sub-block
             swap = (margin < ROUTE_SWAP_WINDOW).nonzero().squeeze(1)  # [n]
             swap_ids = torch.cat([ids[swap, : k - 1], ranked.indices[swap, k : k + 1]], dim=1)  # [n, k]
             swap_out = self._routed(x[swap], swap_ids, scores[swap], p) + shared[swap]
@@ -287,7 +289,7 @@ class ReferenceModel:
         inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()  # noqa: E731
         h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
         hiddens, selections = [h], []
-        self.route_margin, self.route_swaps = {}, {}
+        self.route_margin, self.route_swaps, self.forced = {}, {}, forced is not None
         for layer in range(self.cfg.num_hidden_layers):
             h_mid, selection = self._attention(layer, inp(2 * layer, hiddens[-1]), q_lens)
             hiddens.append(h_mid)
@@ -311,7 +313,7 @@ class Comparison:
     sub_block_max_err: list[list[float]]  # teacher forced, per step per sub-block, relative to the block's update
     topk_mismatch: list[int]  # teacher-forced selections worse than the reference's beyond a tie, per step
     topk_near_ties: list[int]  # selections that differ from the reference's only by near-tied blocks, per step
-    route_swaps: list[int]  # teacher-forced MoE tokens that took their near-tied swapped route, per step
+    route_swaps: list[int]  # teacher-forced (token, MoE layer) pairs on their near-tied swapped route, per step
 
     @property
     def worst_logits(self) -> float:
@@ -345,7 +347,9 @@ def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
     round one ulp either way, which says nothing about the sub-block's accuracy.  In an MoE sub-block a
     token with near-tied k-th and (k+1)-th experts (``ROUTE_SWAP_WINDOW``) is measured against whichever
     of its two routes it is closer to: the op model rounds its router input differently, so it may
-    legitimately take the other expert, and must then be as accurate for that route.
+    legitimately take the other expert, and must then be as accurate for that route.  Only that one
+    swap is allowed: a token with three experts within the window (rare: ~0.6% of tokens at M3 widths
+    have two neighbouring margins under 1e-3) that takes the (k+2)-th counts as an error.
     """
     errs = []
     for i in range(1, len(op_hiddens)):
@@ -364,7 +368,8 @@ def sub_block_errors(op_hiddens, ref: RefStep, forced) -> list[float]:
 
 
 def route_swaps_taken(op_hiddens, ref: RefStep) -> int:
-    """Tokens, over all MoE sub-blocks, whose op output is closer to their swapped route than to the reference's."""
+    """(token, MoE layer) pairs whose op output follows the swapped route: at most a quarter of the excess
+    against the reference's route (an output that matches neither route is not counted)."""
     taken = 0
     for i in range(1, len(op_hiddens)):
         op = op_hiddens[i].cpu().float()
@@ -372,7 +377,7 @@ def route_swaps_taken(op_hiddens, ref: RefStep) -> int:
         swapped = _swap_excess(op, ref, i, eps)
         if swapped is not None:
             tokens, swap_excess = swapped
-            taken += int((swap_excess < _token_excess(op[tokens], ref.hiddens[i].cpu()[tokens], eps)).sum())
+            taken += int((swap_excess <= 0.25 * _token_excess(op[tokens], ref.hiddens[i].cpu()[tokens], eps)).sum())
     return taken
 
 
