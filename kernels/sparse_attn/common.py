@@ -86,6 +86,84 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _load_block(
+    head_base,  # kv_ptr at this KV head
+    page,  # int64 physical page of the block
+    key_ok,  # [128] key exists (valid block, < seq_len)
+    k_scale,
+    v_scale,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
+    D: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
+):  # fmt: skip
+    """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
+    loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
+    and unscaled, in fp16 (the caller folds the scales into the logit factor and the output)."""
+    dims = tl.arange(0, D)
+    offs = tl.arange(0, PAGE)
+    base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
+    ks = k_scale
+    vs = v_scale
+    if SCALE_MODE == 2:
+        phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
+        ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
+        vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
+    # FP16_DOTS: scale mode 0 converts without a multiply (the scales are applied outside)
+    tile_scale_mode: tl.constexpr = 0 if FP16_DOTS else SCALE_MODE
+    tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
+    k = _load_kv_tile(
+        base[None, :] + dims[:, None], key_ok[None, :], ks,
+        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+    )  # [D, 128]  # fmt: skip
+    v = _load_kv_tile(
+        base[:, None] + D + dims[None, :], key_ok[:, None], vs,
+        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+    )  # [128, D]  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _attend_loaded(
+    q,  # [BLOCK_M, D] dot dtype
+    m,  # [BLOCK_M] running max (log2 domain)
+    l,  # [BLOCK_M] running sum
+    acc,  # [BLOCK_M, D] fp32
+    k,  # [D, 128] dot dtype
+    v,  # [128, D] dot dtype
+    visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
+    qk_scale,
+    P_DTYPE: tl.constexpr,  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
+    DOT_FP32: tl.constexpr,
+):
+    """Online-softmax update of (m, l, acc) with one QK and one PV dot over a loaded block."""
+    s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    p = p.to(P_DTYPE)
+    if DOT_FP32:
+        p = p.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _attend_block(
     q,  # [BLOCK_M, D] dot dtype
     m,  # [BLOCK_M] running max (log2 domain)
@@ -114,44 +192,36 @@ def _attend_block(
     FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
 ):  # fmt: skip
-    """One 128-key block: online-softmax update of (m, l, acc) with one QK and one PV dot.
-
-    FP16_DOTS (FP8 K/V with scalar or no scales): both dots take fp16 operands, the FP8 values
-    exactly and unscaled; the caller has rescaled q into fp16's range and folded k_scale into
-    ``qk_scale`` (one factor per row) and applies v_scale to the output."""
-    dims = tl.arange(0, D)
-    offs = tl.arange(0, PAGE)
-    base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
-    ks = k_scale
-    vs = v_scale
-    if SCALE_MODE == 2:
-        phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
-        ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
-        vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
-    # FP16_DOTS: scale mode 0 converts without a multiply (the scales are applied outside)
-    tile_scale_mode: tl.constexpr = 0 if FP16_DOTS else SCALE_MODE
+    """One 128-key block: load it, then the online-softmax update (see ``_load_block``, ``_attend_loaded``)."""
+    k, v = _load_block(
+        head_base, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
+        stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
+        D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF, FP16_DOTS,
+    )  # fmt: skip
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    k = _load_kv_tile(
-        base[None, :] + dims[:, None], key_ok[None, :], ks,
-        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-    )  # [D, 128]  # fmt: skip
-    v = _load_kv_tile(
-        base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-    )  # [128, D], issued before the QK dot so both loads are in flight together  # fmt: skip
-    s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    p = p.to(tile_dtype)  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
+    return _attend_loaded(q, m, l, acc, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
+
+
+@triton.jit
+def _prepare_q(q, qk_scale, k_scale, FP16_DOTS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """q [BLOCK_M, D] in the dot dtype and the logit factor (scalar, or [BLOCK_M, 1] for FP16_DOTS).
+
+    FP16_DOTS: scale each row by the power of two that brings its largest |q| into [2^14, 2^15):
+    exact, and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
+    bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  Rows whose maximum
+    is 0, inf or NaN keep scale 1.  k_scale joins the logit factor."""
+    if FP16_DOTS:
+        q = q.to(tl.float32)
+        row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
+        max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        usable = (row_max > 0.0) & (row_max < float("inf"))
+        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -100), 100), 0)
+        q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
+        q = (q * q_scale[:, None]).to(tl.float16)
+        qk_scale = (qk_scale * k_scale / q_scale)[:, None]  # [BLOCK_M, 1] logit factor per row
     if DOT_FP32:
-        p = p.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l, acc
+        q = q.to(tl.float32)
+    return q, qk_scale
 
 
 @triton.jit
@@ -272,21 +342,7 @@ def sparse_attn_fwd_kernel(
     if SCALE_MODE == 1:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    if FP16_DOTS:
-        # Scale each row by the power of two that brings its largest |q| into [2^14, 2^15): exact,
-        # and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
-        # bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  Rows whose
-        # maximum is 0, inf or NaN keep scale 1.
-        q = q.to(tl.float32)
-        row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
-        max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        usable = (row_max > 0.0) & (row_max < float("inf"))
-        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -100), 100), 0)
-        q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
-        q = (q * q_scale[:, None]).to(tl.float16)
-        qk_scale = (qk_scale * k_scale / q_scale)[:, None]  # [BLOCK_M, 1] logit factor per row
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q, qk_scale = _prepare_q(q, qk_scale, k_scale, FP16_DOTS, DOT_FP32)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
