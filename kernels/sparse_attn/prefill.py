@@ -9,6 +9,7 @@ import torch
 import triton
 
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
+from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
@@ -24,6 +25,7 @@ FP8_PREFILL_ROWS = 64
 WIDE_TABLE_BLOCKS = 96
 WIDE_TABLE_ROWS = 16
 MAX_BLOCK_Q = 16
+KV_CENTRIC = True  # experiment switch
 
 
 def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
@@ -49,6 +51,10 @@ def sparse_attn_prefill(
     v_scale: torch.Tensor | None,
     scale_mode: int,
 ) -> torch.Tensor:
+    if KV_CENTRIC:
+        return sparse_attn_prefill_kv_centric(
+            q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode
+        )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [total_q, Hq, D], every row written
     T = topk_idx.shape[2]
     Hq, Hkv = q.shape[1], kv_cache.shape[1]
