@@ -52,14 +52,19 @@ def tile_tokens(G: int) -> int:
     return max(1, min(MAX_TILE_TOKENS, PAIR_ROWS // triton.next_power_of_2(int(G))))
 
 
+def slot_bits(T: int) -> int:
+    """Bits of a pair's slot in its packed ``token << bits | slot`` (the kernel unpacks with shifts)."""
+    return max(1, (int(T) - 1).bit_length())
+
+
 def group_pairs(topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks: int, pairs_per_chunk: int):
     """The pairs sorted by the block they name, and each program's chunk of them.
 
-    Returns order [N] int64 (N = Hkv * total_q * T): the flat index ``(head * total_q + token) * T +
-    slot`` of each sorted pair (counted pairs first, grouped, tokens ascending inside a group);
-    group_start [groups + 1] int64: each group's first sorted pair (groups = Hkv * num_reqs *
-    max_blocks, group = (head * num_reqs + request) * max_blocks + block); chunk_group [grid] int64:
-    each program's group, ``groups`` for programs without a chunk; chunk_first [grid] int64: its first
+    Returns pairs [N] int32 (N = Hkv * total_q * T): ``token << slot_bits | slot`` of each sorted pair
+    (counted pairs first, grouped, tokens ascending inside a group);
+    group_start [groups + 1] int32: each group's first sorted pair (groups = Hkv * num_reqs *
+    max_blocks, group = (head * num_reqs + request) * max_blocks + block); chunk_group [grid] int32:
+    each program's group, ``groups`` for programs without a chunk; chunk_first [grid] int32: its first
     pair; pos [total_q] int32: each token's absolute position.
     """
     Hkv, total_q, T = topk_idx.shape
@@ -83,6 +88,8 @@ def group_pairs(topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks: int, 
     groups = Hkv * num_reqs * max_blocks
     keys = torch.where(counted, (heads * num_reqs + req[None, :, None]) * max_blocks + ids, groups)
     sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
+    packed = (tokens[:, None] << slot_bits(T)) | slots  # [total_q, T]
+    pairs = torch.take(packed.to(torch.int32), order % (total_q * T))
     group_start = torch.searchsorted(sorted_keys, torch.arange(groups + 1, device=device))
     chunks = torch.div(group_start[1:] - group_start[:-1] + pairs_per_chunk - 1, pairs_per_chunk, rounding_mode="floor")
     chunk_end = torch.cumsum(chunks, 0)  # [groups]
@@ -91,17 +98,17 @@ def group_pairs(topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks: int, 
     chunk_group = torch.searchsorted(chunk_end, program, right=True)  # [grid], groups past the last chunk
     group = chunk_group.clamp(max=groups - 1)
     chunk_first = group_start[group] + (program - (chunk_end[group] - chunks[group])) * pairs_per_chunk
-    return order, group_start, chunk_group, chunk_first, pos.to(torch.int32)
+    return pairs, group_start.to(torch.int32), chunk_group.to(torch.int32), chunk_first.to(torch.int32), pos.to(torch.int32)
 
 
 @triton.jit
 def kv_centric_attn_kernel(
     q_ptr,  # [total_q, Hq, D]
     kv_ptr,  # [num_blocks, Hkv, 128, 2D]
-    order_ptr,  # [N] int64 flat (head, token, slot) index of each sorted pair
-    group_start_ptr,  # [groups + 1] int64
-    chunk_group_ptr,  # [grid] int64, >= groups: no chunk
-    chunk_first_ptr,  # [grid] int64
+    pairs_ptr,  # [N] int32 token << SLOT_BITS | slot of each sorted pair
+    group_start_ptr,  # [groups + 1] int32
+    chunk_group_ptr,  # [grid] int32, >= groups: no chunk
+    chunk_first_ptr,  # [grid] int32
     pos_ptr,  # [total_q] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
@@ -135,6 +142,7 @@ def kv_centric_attn_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    SLOT_BITS: tl.constexpr,
 ):  # fmt: skip
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
@@ -146,11 +154,11 @@ def kv_centric_attn_kernel(
     if group < groups:
         first = tl.load(chunk_first_ptr + pid)
         end = tl.minimum(tl.load(group_start_ptr + group + 1), first + pairs_per_chunk)
-        block = (group % max_blocks).to(tl.int32)
+        block = group % max_blocks
         head_req = group // max_blocks
         req = head_req % num_reqs
         kv_head = head_req // num_reqs
-        page = tl.load(block_table_ptr + req * stride_btr + block * stride_btb).to(tl.int64)
+        page = tl.load(block_table_ptr + req.to(tl.int64) * stride_btr + block * stride_btb).to(tl.int64)
         offs = tl.arange(0, PAGE)
         dims = tl.arange(0, D)
         key_pos = block * PAGE + offs  # [128] logical positions
@@ -161,7 +169,7 @@ def kv_centric_attn_kernel(
             k_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
         k, v = _load_block(
-            kv_ptr + kv_head * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
+            kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
             stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
             D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
             FP16_DOTS,
@@ -169,16 +177,15 @@ def kv_centric_attn_kernel(
         rows = tl.arange(0, BLOCK_M)
         head_in_group = rows % BLOCK_H
         heads = kv_head * G + head_in_group  # [BLOCK_M]
-        pairs_per_head = total_q * T
         for tile_first in range(first, end, BLOCK_TOK):
             entry = tile_first + rows // BLOCK_H  # [BLOCK_M] sorted pair of each row
             member = entry < end
-            flat = tl.load(order_ptr + entry, mask=member, other=0) % pairs_per_head
-            token = flat // T
-            slot = flat - token * T
+            pair = tl.load(pairs_ptr + entry, mask=member, other=0)
+            token = pair >> SLOT_BITS  # int32 shifts: a 64-bit division is a ~100-instruction call per row
+            slot = pair & ((1 << SLOT_BITS) - 1)
             row_mask = member & (head_in_group < G)
             pos = tl.load(pos_ptr + token, mask=member, other=-1)
-            q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            q = tl.load(q_ptr + token[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                         mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]  # fmt: skip
             q, row_scale = _prepare_q(q, qk_scale, k_scale, FP16_DOTS, DOT_FP32)
             visible = row_mask[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
@@ -191,7 +198,7 @@ def kv_centric_attn_kernel(
             if FP16_DOTS:
                 o = o * v_scale
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-            part_row = (slot * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
+            part_row = (slot.to(tl.int64) * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
@@ -251,7 +258,7 @@ def sparse_attn_prefill_kv_centric(
     block_tok = tile_tokens(G)
     block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
     pairs_per_chunk = block_tok * TILES_PER_CHUNK
-    order, group_start, chunk_group, chunk_first, pos = group_pairs(
+    pairs, group_start, chunk_group, chunk_first, pos = group_pairs(
         topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks, pairs_per_chunk
     )
     partial = empty_row_major((T, total_q, Hq, D), PARTIAL_DTYPE, q.device)  # read only where lse > -inf
@@ -270,14 +277,14 @@ def sparse_attn_prefill_kv_centric(
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     launch(
         kv_centric_attn_kernel, (chunk_group.shape[0],),
-        q, kv_cache, order, group_start, chunk_group, chunk_first, pos, block_table, seq_lens, k_scale, v_scale,
+        q, kv_cache, pairs, group_start, chunk_group, chunk_first, pos, block_table, seq_lens, k_scale, v_scale,
         partial, lse, group_start.shape[0] - 1, total_q, Hq, block_table.shape[0], block_table.shape[1], T,
         pairs_per_chunk, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, IS_FP8=fmt is not None,
         NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
-        FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, **fp8_constants,
+        FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, SLOT_BITS=slot_bits(T), **fp8_constants,
         **kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     launch(
