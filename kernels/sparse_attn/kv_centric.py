@@ -1,24 +1,28 @@
-"""KV-centric block-sparse prefill: each program loads one block once and attends every pair that names it.
+"""KV-centric block-sparse prefill: a block is loaded once and attended by every (token, slot) pair naming it.
 
 The union walk (``common.py``, BLOCK_Q > 1) hands a tile of consecutive tokens every block any of
 them selected; with independent lists most of its dot rows are masked (~28% useful at TP1 1x8192)
-and each block is re-read by every tile whose union holds it.  Here the (token, slot) pairs are
-grouped by the (KV head, request, block) they name with one sort on the device.  A *chunk* is up to
-``pairs_per_chunk`` consecutive pairs of one group: its program loads and converts the block's K/V
-once, then walks the chunk in tiles of ``BLOCK_TOK`` tokens x ``BLOCK_H`` heads, every row useful:
-per tile one ``[BLOCK_M, D] x [D, 128]`` and one ``[BLOCK_M, 128] x [128, D]`` dot, with the next
-tile's query rows gathered while this one computes (software-pipelined counted loop).  Each pair
-writes its normalised partial and log2-sum-exp at ``[slot, token, head]``; ``merge_slots_kernel``
-combines a token's slots like decode combines its splits.
+and each block is re-read by every tile whose union holds it.  Here:
 
-Which slots count is the contract's rule (see ``common.py``), evaluated with tensor ops: slots
-``< min(T, p // 128 + 1)``, ids in ``[0, p // 128]`` and inside the block table, pages inside the
-cache, an id listed twice counted once.  The number of chunks depends on the lists, so the grid is
-the shape-derived bound ``ceil(pairs / pairs_per_chunk) + groups``; programs past the last chunk
-return at once.  Nothing here synchronises with the host, so the launcher traces into one graph.
+1. ``pair_keys_kernel`` gives every (KV head, token, slot) its group key ``(head * num_reqs +
+   request) * max_blocks + block`` if the slot counts, else ``groups`` (sorts last).  Which slots
+   count is the contract's rule (see ``common.py``): slots ``< min(T, p // 128 + 1)``, ids in
+   ``[0, p // 128]`` and inside the block table, pages inside the cache, an id listed twice counted
+   once.  Slots are padded to ``BLOCK_T`` (a power of two), so a pair's flat index unpacks with shifts.
+2. ``torch.sort`` (stable: tokens stay ascending inside a group).
+3. ``kv_centric_attn_kernel``: program p takes the sorted pairs ``[p * PAIRS, (p + 1) * PAIRS)``.
+   For each run of one group inside them it loads and converts that block's K/V once, then walks the
+   run in tiles of ``BLOCK_TOK`` tokens x ``BLOCK_H`` heads whose rows all attend the block: per tile
+   one ``[BLOCK_M, D] x [D, 128]`` and one ``[BLOCK_M, 128] x [128, D]`` dot, the next tile's query
+   rows gathered while this one computes (software-pipelined counted loop).  Each pair writes its
+   normalised partial and log2-sum-exp at ``[slot, token, head]``.
+4. ``merge_slots_kernel`` combines each token's counted slots (read from the keys, so uncounted
+   slots' partials are never written nor read) like decode combines its splits.
 
-Numerics match the union walk's per block (same operand roundings, ``_attend_loaded``); a token's
-blocks are combined from fp32 partials, like decode's splits.
+Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
+traces into one graph.  Numerics per block are the union walk's (``_attend_loaded``, same operand
+roundings); FP8 K/V are dequantised to the model dtype once per run, with their scales (no fp16
+operand path: the conversion is already amortised over the run's tiles).
 """
 
 import torch
@@ -27,24 +31,17 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import format_constants
-from mm3_compile.kernels.sparse_attn.common import (
-    LOG2E,
-    PAGE,
-    _attend_loaded,
-    _load_block,
-    _prepare_q,
-    kernel_options,
-)
+from mm3_compile.kernels.sparse_attn.common import LOG2E, PAGE, _attend_loaded, _find_requests, _load_block, kernel_options
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format, triton_native_fp8
 
-PAGE_TOKENS = PAGE.value
 PAIR_ROWS = 128  # rows (token x query head) per tile: the tensor cores' tile height
 MAX_TILE_TOKENS = 16
-TILES_PER_CHUNK = 16  # tiles that share one loaded block: amortises its load and conversion
+TILES_PER_PROGRAM = 16  # tiles per program: amortises each block's load and conversion over its run
+# Slot partials in the model dtype (|o| <= max |V|, so fp16 cannot overflow) or in fp32 (twice the traffic).
+MODEL_DTYPE_PARTIALS = True
+KEY_TOKENS = 32  # tokens per program of pair_keys_kernel
 MERGE_ROWS = 32
-# fp32: model-dtype partials add a rounding per block that the union walk does not have.
-PARTIAL_DTYPE = torch.float32
 
 
 def tile_tokens(G: int) -> int:
@@ -52,77 +49,76 @@ def tile_tokens(G: int) -> int:
     return max(1, min(MAX_TILE_TOKENS, PAIR_ROWS // triton.next_power_of_2(int(G))))
 
 
-def slot_bits(T: int) -> int:
-    """Bits of a pair's slot in its packed ``token << bits | slot`` (the kernel unpacks with shifts)."""
-    return max(1, (int(T) - 1).bit_length())
-
-
-def group_pairs(topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks: int, pairs_per_chunk: int):
-    """The pairs sorted by the block they name, and each program's chunk of them.
-
-    Returns pairs [N] int32 (N = Hkv * total_q * T): ``token << slot_bits | slot`` of each sorted pair
-    (counted pairs first, grouped, tokens ascending inside a group);
-    group_start [groups + 1] int32: each group's first sorted pair (groups = Hkv * num_reqs *
-    max_blocks, group = (head * num_reqs + request) * max_blocks + block); chunk_group [grid] int32:
-    each program's group, ``groups`` for programs without a chunk; chunk_first [grid] int32: its first
-    pair; pos [total_q] int32: each token's absolute position.
-    """
-    Hkv, total_q, T = topk_idx.shape
-    num_reqs, max_blocks = block_table.shape
-    device = topk_idx.device
-    tokens = torch.arange(total_q, device=device)
-    cu = cu_seqlens_q.long()
-    req = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=num_reqs - 1)  # empty requests skipped
-    q_start = cu[req]
-    pos = seq_lens.long()[req] - (cu[req + 1] - q_start) + (tokens - q_start)  # [total_q]
-    last_block = torch.where(pos >= 0, torch.div(pos, PAGE_TOKENS, rounding_mode="floor"), -1)
-    n_slots = torch.clamp(last_block + 1, min=0, max=T)
-    ids = topk_idx.long()  # [Hkv, total_q, T]
-    slots = torch.arange(T, device=device)
-    counted = (slots < n_slots[:, None]) & (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
-    pages = torch.gather(block_table.long()[req].expand(Hkv, total_q, max_blocks), 2, torch.where(counted, ids, 0))
-    counted = counted & (pages >= 0) & (pages < num_blocks)
-    repeat = ((ids[..., :, None] == ids[..., None, :]) & (slots[None, :] < slots[:, None])).any(-1)
-    counted = counted & ~repeat
-    heads = torch.arange(Hkv, device=device)[:, None, None]
-    groups = Hkv * num_reqs * max_blocks
-    keys = torch.where(counted, (heads * num_reqs + req[None, :, None]) * max_blocks + ids, groups)
-    sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
-    packed = (tokens[:, None] << slot_bits(T)) | slots  # [total_q, T]
-    pairs = torch.take(packed.to(torch.int32), order % (total_q * T))
-    group_start = torch.searchsorted(sorted_keys, torch.arange(groups + 1, device=device))
-    chunks = torch.div(group_start[1:] - group_start[:-1] + pairs_per_chunk - 1, pairs_per_chunk, rounding_mode="floor")
-    chunk_end = torch.cumsum(chunks, 0)  # [groups]
-    grid = (Hkv * total_q * T + pairs_per_chunk - 1) // pairs_per_chunk + groups
-    program = torch.arange(grid, device=device)
-    chunk_group = torch.searchsorted(chunk_end, program, right=True)  # [grid], groups past the last chunk
-    group = chunk_group.clamp(max=groups - 1)
-    chunk_first = group_start[group] + (program - (chunk_end[group] - chunks[group])) * pairs_per_chunk
-    return pairs, group_start.to(torch.int32), chunk_group.to(torch.int32), chunk_first.to(torch.int32), pos.to(torch.int32)
+@triton.jit
+def pair_keys_kernel(
+    topk_ptr,  # [Hkv, total_q, T] int32
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    cu_seqlens_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    keys_ptr,  # [Hkv, total_q, BLOCK_T] int32 out
+    pos_ptr,  # [total_q] int32 out: absolute positions
+    total_q,
+    num_reqs,
+    num_blocks,
+    max_blocks,
+    T,
+    groups,
+    stride_tkh, stride_tkt, stride_tks,
+    stride_btr, stride_btb,
+    BLOCK_TOK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    kv_head = tl.program_id(1)
+    tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
+    token_ok = tokens < total_q
+    tokens = tl.where(token_ok, tokens, 0)
+    req = _find_requests(cu_seqlens_ptr, num_reqs, tokens)
+    q_start = tl.load(cu_seqlens_ptr + req)
+    q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
+    pos = tl.load(seq_lens_ptr + req) - q_len + (tokens - q_start)  # [BLOCK_TOK]
+    pos = tl.where(token_ok, pos, -1)
+    last_block = tl.where(pos >= 0, pos // PAGE, -1)
+    n_slots = tl.minimum(T, last_block + 1)
+    slots = tl.arange(0, BLOCK_T)
+    ids = tl.load(
+        topk_ptr + kv_head.to(tl.int64) * stride_tkh + tokens[:, None].to(tl.int64) * stride_tkt
+        + slots[None, :] * stride_tks,
+        mask=slots[None, :] < n_slots[:, None], other=-1,
+    )  # [BLOCK_TOK, BLOCK_T]  # fmt: skip
+    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
+    pages = tl.load(
+        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
+        mask=valid, other=-1,
+    )  # fmt: skip
+    valid = valid & (pages >= 0) & (pages < num_blocks)
+    earlier = slots[None, None, :] < slots[None, :, None]  # [1, BLOCK_T (slot), BLOCK_T (earlier slot)]
+    repeat = tl.max(((ids[:, None, :] == ids[:, :, None]) & earlier).to(tl.int32), axis=2) > 0
+    key = tl.where(valid & ~repeat, (kv_head * num_reqs + req[:, None]) * max_blocks + ids, groups)
+    flat = (kv_head.to(tl.int64) * total_q + tokens[:, None]) * BLOCK_T + slots[None, :]
+    tl.store(keys_ptr + flat, key, mask=token_ok[:, None])
+    if kv_head == 0:
+        tl.store(pos_ptr + tokens, pos, mask=token_ok)
 
 
 @triton.jit
 def kv_centric_attn_kernel(
     q_ptr,  # [total_q, Hq, D]
     kv_ptr,  # [num_blocks, Hkv, 128, 2D]
-    pairs_ptr,  # [N] int32 token << SLOT_BITS | slot of each sorted pair
-    group_start_ptr,  # [groups + 1] int32
-    chunk_group_ptr,  # [grid] int32, >= groups: no chunk
-    chunk_first_ptr,  # [grid] int32
+    sorted_keys_ptr,  # [N] int32 (N = Hkv * total_q * BLOCK_T), ascending, groups for uncounted pairs
+    order_ptr,  # [N] int64: the flat (head, token, slot) index of each sorted key
     pos_ptr,  # [total_q] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     k_scale_ptr,
     v_scale_ptr,
-    partial_ptr,  # [T, total_q, Hq, D] PARTIAL_DTYPE
-    lse_ptr,  # [T, total_q, Hq] fp32, -inf where no pair writes
+    partial_ptr,  # [T, total_q, Hq, D] model dtype or fp32
+    lse_ptr,  # [T, total_q, Hq] fp32
+    num_pairs,
     groups,
     total_q,
     Hq,
     num_reqs,
     max_blocks,
-    T,
-    pairs_per_chunk,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -133,6 +129,8 @@ def kv_centric_attn_kernel(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_TOK: tl.constexpr,
+    PAIRS: tl.constexpr,  # sorted pairs per program
+    SLOT_BITS: tl.constexpr,  # log2(BLOCK_T)
     IS_FP8: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     SCALE_MODE: tl.constexpr,
@@ -141,97 +139,108 @@ def kv_centric_attn_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
-    SLOT_BITS: tl.constexpr,
 ):  # fmt: skip
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     MODEL_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
-    P_DTYPE: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    pid = tl.program_id(0)
-    group = tl.load(chunk_group_ptr + pid)
-    if group < groups:
-        first = tl.load(chunk_first_ptr + pid)
-        end = tl.minimum(tl.load(group_start_ptr + group + 1), first + pairs_per_chunk)
+    start = tl.program_id(0).to(tl.int64) * PAIRS
+    index = tl.arange(0, PAIRS)
+    run_keys = tl.load(sorted_keys_ptr + start + index, mask=start + index < num_pairs, other=groups)  # [PAIRS]
+    counted = tl.sum((run_keys < groups).to(tl.int32))  # sorted: the counted pairs come first
+    rows = tl.arange(0, BLOCK_M)
+    head_in_group = rows % BLOCK_H
+    offs = tl.arange(0, PAGE)
+    dims = tl.arange(0, D)
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    run_first = tl.full([], 0, tl.int32)
+    while run_first < counted:
+        # the run of one group starting at run_first: its key, and where the next key begins
+        group = tl.sum(tl.where(index == run_first, run_keys, 0))
+        run_end = run_first + tl.sum(((run_keys == group) & (index >= run_first)).to(tl.int32))
         block = group % max_blocks
         head_req = group // max_blocks
         req = head_req % num_reqs
         kv_head = head_req // num_reqs
         page = tl.load(block_table_ptr + req.to(tl.int64) * stride_btr + block * stride_btb).to(tl.int64)
-        offs = tl.arange(0, PAGE)
-        dims = tl.arange(0, D)
         key_pos = block * PAGE + offs  # [128] logical positions
         key_ok = key_pos < tl.load(seq_lens_ptr + req)
-        k_scale = 1.0
-        v_scale = 1.0
-        if SCALE_MODE == 1:
-            k_scale = tl.load(k_scale_ptr)
-            v_scale = tl.load(v_scale_ptr)
         k, v = _load_block(
-            kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
+            kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
+            kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
             D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-            FP16_DOTS,
-        )  # [D, 128], [128, D]: loaded and converted once for the whole chunk  # fmt: skip
-        rows = tl.arange(0, BLOCK_M)
-        head_in_group = rows % BLOCK_H
+            False,
+        )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         heads = kv_head * G + head_in_group  # [BLOCK_M]
-        for tile_first in range(first, end, BLOCK_TOK):
-            entry = tile_first + rows // BLOCK_H  # [BLOCK_M] sorted pair of each row
-            member = entry < end
-            pair = tl.load(pairs_ptr + entry, mask=member, other=0)
-            token = pair >> SLOT_BITS  # int32 shifts: a 64-bit division is a ~100-instruction call per row
-            slot = pair & ((1 << SLOT_BITS) - 1)
+        head_tokens = kv_head.to(tl.int64) * total_q
+        for tile_first in range(run_first, run_end, BLOCK_TOK):
+            entry = tile_first + rows // BLOCK_H  # [BLOCK_M] sorted pair of each row, relative to start
+            member = entry < run_end
+            flat = tl.load(order_ptr + start + entry, mask=member, other=0)
+            token = (flat >> SLOT_BITS) - head_tokens
+            slot = flat & ((1 << SLOT_BITS) - 1)
             row_mask = member & (head_in_group < G)
             pos = tl.load(pos_ptr + token, mask=member, other=-1)
-            q = tl.load(q_ptr + token[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                         mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]  # fmt: skip
-            q, row_scale = _prepare_q(q, qk_scale, k_scale, FP16_DOTS, DOT_FP32)
+            if DOT_FP32:
+                q = q.to(tl.float32)
             visible = row_mask[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
             m, l, acc = _attend_loaded(
                 q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
-                tl.zeros([BLOCK_M, D], tl.float32), k, v, visible, row_scale, P_DTYPE, DOT_FP32,
+                tl.zeros([BLOCK_M, D], tl.float32), k, v, visible, qk_scale, MODEL_DTYPE, DOT_FP32,
             )  # fmt: skip
             has_keys = l > 0.0
             o = acc / tl.where(has_keys, l, 1.0)[:, None]
-            if FP16_DOTS:
-                o = o * v_scale
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-            part_row = (slot.to(tl.int64) * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
+            part_row = (slot * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
+        run_first = run_end
 
 
 @triton.jit
 def merge_slots_kernel(
-    partial_ptr,  # [T, rows, D]
-    lse_ptr,  # [T, rows] fp32, -inf: the slot holds no pair (its partial was never written)
-    out_ptr,  # [rows, D]
-    total_rows,
-    T,
+    keys_ptr,  # [Hkv, total_q, BLOCK_T] int32, < groups: the slot holds a partial
+    partial_ptr,  # [T, total_q * Hq, D]
+    lse_ptr,  # [T, total_q * Hq] fp32
+    out_ptr,  # [total_q * Hq, D]
+    total_q,
+    Hq,
+    groups,
+    G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """out[row] = sum_c 2^lse_c o_c / sum_c 2^lse_c; slots without a pair are not read; no pair at all -> 0."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """out[row] = sum_c 2^lse_c o_c / sum_c 2^lse_c over the row's counted slots c (none -> 0)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) rows of [total_q, Hq]
+    total_rows = total_q * Hq
     row_mask = rows < total_rows
-    rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    rows = tl.where(row_mask, rows, 0)
+    token = rows // Hq
+    kv_head = (rows - token * Hq) // G
+    rows = rows.to(tl.int64)
     slots = tl.arange(0, BLOCK_T)
-    lse = tl.load(lse_ptr + slots[None, :] * total_rows + rows[:, None],
-                  mask=row_mask[:, None] & (slots[None, :] < T), other=float("-inf"))  # [BLOCK_R, BLOCK_T]  # fmt: skip
+    keys = tl.load(keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :], mask=row_mask[:, None],
+                   other=groups)  # [BLOCK_R, BLOCK_T]  # fmt: skip
+    counted = keys < groups
+    lse = tl.load(lse_ptr + slots[None, :] * total_rows + rows[:, None], mask=counted, other=float("-inf"))
     lse_max = tl.max(lse, axis=1)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - ref[:, None])  # 0 for slots without a pair
+    weights = tl.where(counted, tl.exp2(lse - ref[:, None]), 0.0)
     weight_sum = tl.sum(weights, axis=1)
     dims = tl.arange(0, D)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for c in range(0, T):
+    for c in range(0, BLOCK_T):
         w = tl.sum(tl.where(slots[None, :] == c, weights, 0.0), axis=1)  # [BLOCK_R]
         o = tl.load(partial_ptr + (c * total_rows + rows[:, None]) * D + dims[None, :],
-                    mask=(row_mask & (w > 0.0))[:, None], other=0.0)  # fmt: skip
+                    mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
         acc += w[:, None] * o.to(tl.float32)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -254,15 +263,27 @@ def sparse_attn_prefill_kv_centric(
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
     G, D = int(Hq // Hkv), int(D)  # compile-time tile sizes
     T = topk_idx.shape[2]
-    out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
+    num_reqs, max_blocks = block_table.shape
+    block_t = triton.next_power_of_2(int(T))
+    groups = Hkv * num_reqs * max_blocks
+    torch._check(groups < 2**31, lambda: "sparse_attn_prefill: KV heads x requests x block-table width must be < 2^31")
+    keys = empty_row_major((Hkv, total_q, block_t), torch.int32, q.device)
+    pos = torch.empty((total_q,), dtype=torch.int32, device=q.device)
+    launch(
+        pair_keys_kernel, (triton.cdiv(total_q, KEY_TOKENS), Hkv),
+        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, pos, total_q, num_reqs, num_blocks, max_blocks, T, groups,
+        topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2), block_table.stride(0), block_table.stride(1),
+        BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
+    sorted_keys, order = torch.sort(keys.view(-1), stable=True)
+
     block_tok = tile_tokens(G)
     block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
-    pairs_per_chunk = block_tok * TILES_PER_CHUNK
-    pairs, group_start, chunk_group, chunk_first, pos = group_pairs(
-        topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks, pairs_per_chunk
-    )
-    partial = empty_row_major((T, total_q, Hq, D), PARTIAL_DTYPE, q.device)  # read only where lse > -inf
-    lse = torch.full((T, total_q, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+    pairs = block_tok * TILES_PER_PROGRAM
+    num_pairs = Hkv * total_q * block_t
+    partial_dtype = q.dtype if MODEL_DTYPE_PARTIALS else torch.float32
+    partial = empty_row_major((T, total_q, Hq, D), partial_dtype, q.device)  # written and read per counted slot
+    lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
     if fmt is not None and not triton_native_fp8(fmt.dtype, q.device):
         kv_cache = kv_cache.view(torch.uint8)  # decoded from the bytes with integer arithmetic
     if fmt is None:
@@ -276,19 +297,18 @@ def sparse_attn_prefill_kv_centric(
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     launch(
-        kv_centric_attn_kernel, (chunk_group.shape[0],),
-        q, kv_cache, pairs, group_start, chunk_group, chunk_first, pos, block_table, seq_lens, k_scale, v_scale,
-        partial, lse, group_start.shape[0] - 1, total_q, Hq, block_table.shape[0], block_table.shape[1], T,
-        pairs_per_chunk, float(sm_scale) * LOG2E,
+        kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
+        q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse,
+        num_pairs, groups, total_q, Hq, num_reqs, max_blocks, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
-        G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, IS_FP8=fmt is not None,
-        NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
-        FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, SLOT_BITS=slot_bits(T), **fp8_constants,
-        **kernel_options(q.device, block_tok * block_h, prefill=True),
+        G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
+        IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
+        **fp8_constants, **kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
+    out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
-        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), partial, lse, out, total_q * Hq, T,
-        D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=triton.next_power_of_2(int(T)), num_warps=4,
+        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, total_q, Hq, groups,
+        G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
     return out
