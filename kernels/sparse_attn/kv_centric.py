@@ -177,30 +177,49 @@ def kv_centric_attn_kernel(
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         heads = kv_head * G + head_in_group  # [BLOCK_M]
         head_tokens = kv_head.to(tl.int64) * total_q
-        for tile_first in range(run_first, run_end, BLOCK_TOK):
-            entry = tile_first + rows // BLOCK_H  # [BLOCK_M] sorted pair of each row, relative to start
-            member = entry < run_end
-            flat = tl.load(order_ptr + start + entry, mask=member, other=0)
-            token = (flat >> SLOT_BITS) - head_tokens
+        # Tiles are software-pipelined by hand, in registers: tile i + 1's query rows and tile i + 2's
+        # pair entries load while tile i computes.  (Triton's pipeliner keeps one buffer for the entries
+        # an indirect load depends on and so waits for every copy at the top of each iteration.)
+        pair_row = rows // BLOCK_H
+        flat = tl.load(order_ptr + start + run_first + pair_row, mask=run_first + pair_row < run_end, other=0)
+        token = (flat >> SLOT_BITS) - head_tokens
+        member = run_first + pair_row < run_end
+        pos = tl.load(pos_ptr + token, mask=member, other=-1)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=(member & (head_in_group < G))[:, None], other=0.0)  # [BLOCK_M, D]  # fmt: skip
+        next_entry = run_first + BLOCK_TOK + pair_row
+        next_flat = tl.load(order_ptr + start + next_entry, mask=next_entry < run_end, other=0)
+        for tile_first in tl.range(run_first, run_end, BLOCK_TOK, num_stages=1):
             slot = flat & ((1 << SLOT_BITS) - 1)
             row_mask = member & (head_in_group < G)
-            pos = tl.load(pos_ptr + token, mask=member, other=-1)
-            q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                        mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]  # fmt: skip
-            if DOT_FP32:
-                q = q.to(tl.float32)
             visible = row_mask[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
+            part_row = (slot * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
+            tile_q = q
+            if DOT_FP32:
+                tile_q = tile_q.to(tl.float32)
+            # prefetch: the next tile's rows (entries loaded one iteration ago), the entries after it
+            next_token = (next_flat >> SLOT_BITS) - head_tokens
+            next_member = tile_first + BLOCK_TOK + pair_row < run_end
+            pos_next = tl.load(pos_ptr + next_token, mask=next_member, other=-1)
+            q = tl.load(q_ptr + next_token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                        mask=(next_member & (head_in_group < G))[:, None], other=0.0)  # fmt: skip
+            after_entry = tile_first + 2 * BLOCK_TOK + pair_row
+            after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             m, l, acc = _attend_loaded(
-                q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                tile_q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
                 tl.zeros([BLOCK_M, D], tl.float32), k, v, visible, qk_scale, MODEL_DTYPE, DOT_FP32,
             )  # fmt: skip
             has_keys = l > 0.0
             o = acc / tl.where(has_keys, l, 1.0)[:, None]
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-            part_row = (slot * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
+            flat = next_flat
+            token = next_token
+            member = next_member
+            pos = pos_next
+            next_flat = after_flat
         run_first = run_end
 
 
