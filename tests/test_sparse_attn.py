@@ -27,7 +27,7 @@ from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches, size_hint
 from mm3_compile.kernels.sparse_attn import common as sparse_common
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
-from mm3_compile.kernels.sparse_attn import prefill
+from mm3_compile.kernels.sparse_attn import kv_centric, prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
 from mm3_compile.ops._kv import resolve_cache_view
 
@@ -184,25 +184,42 @@ def assert_close(out, ref, dtype, what=""):
     assert err.max() < max_tol and err.mean() < mean_tol, f"{what}: max err {err.max():.3g}, mean {err.mean():.3g}"
 
 
+@pytest.fixture
+def schedule(request, monkeypatch):
+    """Forces a prefill schedule (both are exact; the shape rule would pick one per case)."""
+    name = getattr(request, "param", None)
+    if name is not None:
+        monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: name)
+    return name
+
+
+SCHEDULES = pytest.mark.parametrize("schedule", ["union", "kv_centric"], indirect=True)
+OP_SCHEDULES = pytest.mark.parametrize(
+    "op, schedule", [("prefill", "union"), ("prefill", "kv_centric"), ("decode", None)], indirect=["schedule"]
+)
+
+
 # Ragged prefill batch: a long prefix straddling block boundaries, a request with no new tokens,
 # a chunk starting mid-block, and a short request with fewer visible blocks than T.
 PREFILL_REQS = [(300, 9), (140, 0), (263, 6), (40, 5)]
 DECODE_REQS = [(300, 2), (0, 2), (129, 2)]  # (seq_len, q_per_req); seq_len 0 = CUDA-graph padding
 
 
+@SCHEDULES
 @pytest.mark.parametrize(
     "model_dtype, layout, D, Hkv, G",
     [(torch.bfloat16, "HND", 128, 2, 4), (torch.float16, "NHD", 64, 1, 8), (torch.bfloat16, "NHD", 64, 1, 1)],
 )
-def test_prefill_matches_reference(model_dtype, layout, D, Hkv, G, device):
+def test_prefill_matches_reference(model_dtype, layout, D, Hkv, G, schedule, device):
     case = build(device, PREFILL_REQS, D=D, Hkv=Hkv, G=G, model_dtype=model_dtype, layout=layout)
     out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
     assert out.shape == case.q.shape and out.is_contiguous()
     assert_close(out, case.reference(), model_dtype, "prefill")
 
 
+@SCHEDULES
 @pytest.mark.parametrize("G, T", [(16, 4), (6, 3), (3, 5)])  # padded head groups and slot lists
-def test_prefill_head_groups_and_list_lengths(G, T, device):
+def test_prefill_head_groups_and_list_lengths(G, T, schedule, device):
     case = build(device, [(200, 3), (390, 4)], D=64, Hkv=2 if G < 16 else 1, G=G, T=T)
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
 
@@ -224,8 +241,32 @@ def test_prefill_tile_follows_the_block_table_width(spec, device):
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16, "wide")
 
 
+def test_prefill_schedule_follows_the_table_width_and_vendor(monkeypatch):
+    """KV-centric when lists select among more blocks than they hold; the union walk when every list holds
+    every visible block, and on ROCm (its LDS cannot hold a converted block pair and a query tile)."""
+    cpu = torch.device("cpu")
+    assert prefill.prefill_schedule(cpu, 17, 16) == "kv_centric"
+    assert prefill.prefill_schedule(cpu, 16, 16) == "union"
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
+    assert prefill.prefill_schedule(torch.device("cuda", 0), 1024, 16) == "union"
+
+
+@pytest.mark.parametrize("pair_rows, tiles", [(16, 1), (16, 2), (32, 4)])
+def test_kv_centric_runs_split_across_programs(pair_rows, tiles, device, monkeypatch):
+    """Programs take fixed slices of the sorted pairs, so a block's run is cut across programs and a
+    program holds the tail of one run and the head of the next (tiny tiles make every case occur),
+    including ids listed twice and slots that do not count."""
+    monkeypatch.setattr(kv_centric, "PAIR_ROWS", pair_rows)
+    monkeypatch.setattr(kv_centric, "TILES_PER_PROGRAM", tiles)
+    monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: "kv_centric")
+    case = build(device, [(700, 13), (390, 5), (140, 0), (263, 7)], D=64, Hkv=2, G=4, T=5, seed=5)
+    case.topk_idx[:, ::3, 2] = case.topk_idx[:, ::3, 1]  # repeats: counted once
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
+
+
+@SCHEDULES
 @pytest.mark.parametrize("target, spec, layout, scale", FP8_CASES)
-def test_prefill_fp8(target, spec, layout, scale, device):
+def test_prefill_fp8(target, spec, layout, scale, schedule, device):
     with platform.emulate(target):
         case = build(device, [(300, 6), (70, 3)], spec=spec, layout=layout, scale=scale, typed_fp8=target == "gfx950")
         assert case.storage_dtype == platform.resolve_kv_cache_dtype(spec, device, torch.bfloat16)
@@ -233,8 +274,8 @@ def test_prefill_fp8(target, spec, layout, scale, device):
     assert_close(out, case.reference(), torch.bfloat16, f"{target} {spec} {case.storage_dtype}")
 
 
-@pytest.mark.parametrize("op", ["prefill", "decode"])
-def test_invalid_topk_entries_are_ignored(op, device, monkeypatch):
+@OP_SCHEDULES
+def test_invalid_topk_entries_are_ignored(op, schedule, device, monkeypatch):
     """-1, beyond p // 128, beyond a truncated block table, huge ids, repeats; a row with no valid slot -> 0.
 
     Value checks off (the GPU default; on they refuse the truncated table): the kernel alone skips them.
@@ -360,9 +401,9 @@ def test_decode_fp8(target, spec, layout, scale, device):
     assert_close(out, ref, torch.bfloat16, f"{target} {spec}")
 
 
-@pytest.mark.parametrize("op", ["prefill", "decode"])
+@OP_SCHEDULES
 @pytest.mark.parametrize("q_factor", [2.0**20, 2.0**-66])
-def test_fp8_queries_outside_fp16_range(op, q_factor, device):
+def test_fp8_queries_outside_fp16_range(op, schedule, q_factor, device):
     """FP8 attention runs its dots on fp16 operands: queries far beyond fp16's range (which would overflow)
     or below its normal range (which would flush) are rescaled by a power of two per row, so with
     ``sm_scale`` compensating, the logits and the output match the reference."""
@@ -406,8 +447,8 @@ def test_scales_ignored_for_bf16_cache(device):
     assert torch.equal(torch.ops.mm3.sparse_attn_decode(*args), plain)
 
 
-@pytest.mark.parametrize("op", ["prefill", "decode"])
-def test_platform_round_trip_gfx942(op, device):
+@OP_SCHEDULES
+def test_platform_round_trip_gfx942(op, schedule, device):
     """gfx942 stores e4m3fnuz: decoding it right is within fp8 error of the bf16 cache; as e4m3fn (#45562) it is not."""
     reqs = [(300, 5), (150, 4)] if op == "prefill" else [(300, 1), (150, 1)]
     with platform.emulate("gfx942"):
@@ -665,6 +706,58 @@ def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen,
     args = [str(a) for a in (target, kv_type, G, D, block_q, varlen, scale_mode, native)]
     result = subprocess.run([sys.executable, "-c", AOT_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled" in result.stdout
+
+
+KV_CENTRIC_COMPILE_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mm3_compile.kernels.sparse_attn import kv_centric as kc
+
+kv_type, G, scale_mode, native = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+target = GPUTarget("cuda", 90, 32)
+block_tok = kc.tile_tokens(G)
+block_h = max(triton.next_power_of_2(G), 16 // block_tok)
+
+
+def build(kernel, constexprs, pointers, aligned_ints, num_warps):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else
+                 "*i32" if n.endswith("_ptr") else "i32") for n in names}  # fmt: skip
+    aligned = [n for n in names if n.endswith("_ptr") or n in aligned_ints]
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
+                       {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
+    triton.compile(source, target=target, options=dict(num_warps=num_warps))
+
+
+build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), 4)
+build(kc.kv_centric_attn_kernel,
+      dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
+           IS_FP8=kv_type != "*bf16", NATIVE_FP8=native, SCALE_MODE=scale_mode, DOT_FP32=False, FP8_MANT=3,
+           FP8_BIAS=7, FP8_FNUZ=False, FP8_HAS_INF=False),
+      dict(q_ptr="*bf16", kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+           partial_ptr="*bf16", lse_ptr="*fp32"),
+      ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), 4)
+build(kc.merge_slots_kernel, dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16),
+      dict(partial_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16"), (), 4)
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("kv_type, G, scale_mode, native", [("*bf16", 16, 0, 0), ("*fp8e4nv", 8, 1, 1), ("*u8", 16, 2, 0)])
+def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native):
+    """The KV-centric prefill kernels compile for the H200 (the CPU tests run them in the interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [kv_type, str(G), str(scale_mode), str(native)]
+    result = subprocess.run([sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
 

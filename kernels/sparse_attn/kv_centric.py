@@ -22,7 +22,10 @@ and each block is re-read by every tile whose union holds it.  Here:
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
 traces into one graph.  Numerics per block are the union walk's (``_attend_loaded``, same operand
 roundings); FP8 K/V are dequantised to the model dtype once per run, with their scales (no fp16
-operand path: the conversion is already amortised over the run's tiles).
+operand path: the conversion is already amortised over the run's tiles).  Partials are stored in
+the model dtype (|o| <= max |V|, so fp16 cannot overflow): one more rounding per block than the
+union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64: max error 1.0e-3 vs 7.8e-4), at half
+the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for the whole op).
 """
 
 import torch
@@ -35,17 +38,19 @@ from mm3_compile.kernels.sparse_attn.common import LOG2E, PAGE, _attend_loaded, 
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format, triton_native_fp8
 
-PAIR_ROWS = 128  # rows (token x query head) per tile: the tensor cores' tile height
+# Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,
+# 255 registers x 128 threads each), so one's MMAs overlap the other's softmax and stores.  H200, same
+# run (bench/NOTES.md): 64 rows / 4 warps 1.76-1.83 ms of attention at TP1 1x8192 vs 2.29 ms for 128
+# rows / 8 warps (one program per SM) and 3.3 ms for 64 rows / 8 warps.
+PAIR_ROWS = 64
 MAX_TILE_TOKENS = 16
-TILES_PER_PROGRAM = 16  # tiles per program: amortises each block's load and conversion over its run
-# Slot partials in the model dtype (|o| <= max |V|, so fp16 cannot overflow) or in fp32 (twice the traffic).
-MODEL_DTYPE_PARTIALS = True
+TILES_PER_PROGRAM = 32  # a power of two; amortises each block's load and conversion over its run (16/32/64: within 3%)
 KEY_TOKENS = 32  # tokens per program of pair_keys_kernel
 MERGE_ROWS = 32
 
 
 def tile_tokens(G: int) -> int:
-    """Pairs (tokens) per tile: 128 rows of pow2(G) heads each."""
+    """Pairs (tokens) per tile: PAIR_ROWS rows of pow2(G) heads each."""
     return max(1, min(MAX_TILE_TOKENS, PAIR_ROWS // triton.next_power_of_2(int(G))))
 
 
@@ -111,7 +116,7 @@ def kv_centric_attn_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     k_scale_ptr,
     v_scale_ptr,
-    partial_ptr,  # [T, total_q, Hq, D] model dtype or fp32
+    partial_ptr,  # [T, total_q, Hq, D] model dtype
     lse_ptr,  # [T, total_q, Hq] fp32
     num_pairs,
     groups,
@@ -159,9 +164,9 @@ def kv_centric_attn_kernel(
         v_scale = tl.load(v_scale_ptr)
     run_first = tl.full([], 0, tl.int32)
     while run_first < counted:
-        # the run of one group starting at run_first: its key, and where the next key begins
+        # the run starting at run_first: its group, and its length (sorted: all its keys are in this run)
         group = tl.sum(tl.where(index == run_first, run_keys, 0))
-        run_end = run_first + tl.sum(((run_keys == group) & (index >= run_first)).to(tl.int32))
+        run_end = run_first + tl.sum((run_keys == group).to(tl.int32))
         block = group % max_blocks
         head_req = group // max_blocks
         req = head_req % num_reqs
@@ -300,8 +305,7 @@ def sparse_attn_prefill_kv_centric(
     block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
     pairs = block_tok * TILES_PER_PROGRAM
     num_pairs = Hkv * total_q * block_t
-    partial_dtype = q.dtype if MODEL_DTYPE_PARTIALS else torch.float32
-    partial = empty_row_major((T, total_q, Hq, D), partial_dtype, q.device)  # written and read per counted slot
+    partial = empty_row_major((T, total_q, Hq, D), q.dtype, q.device)  # written and read per counted slot
     lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
     if fmt is not None and not triton_native_fp8(fmt.dtype, q.device):
         kv_cache = kv_cache.view(torch.uint8)  # decoded from the bytes with integer arithmetic

@@ -1,14 +1,29 @@
-"""Launcher of block-sparse prefill attention: one program per (tile of consecutive tokens, KV head).
+"""Launcher of block-sparse prefill attention.
 
-Tokens of all requests are packed (``cu_seqlens_q``); each row finds its request by a binary
-search over ``cu_seqlens_q`` inside the kernel, so no per-request host metadata (max query
-length, batch size) becomes a Python constant, and a tile may straddle requests.
+Two schedules (``prefill_schedule``):
+
+* *KV-centric* (``kv_centric.py``): the (token, slot) pairs are grouped by the block they name and
+  each block is loaded once for all of them; every dot row is useful.  Used whenever the lists
+  select among more blocks than they hold (block table wider than T) on NVIDIA.  H200, independent
+  random lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102 for the union walk, TP8
+  1x8192 126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
+* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head): a tile
+  attends the union of its tokens' lists.  Used when every list holds every visible block (a table
+  no wider than T: nothing is selected, so the union is the tile's own causal window and no row is
+  wasted, and no partials are written), and on ROCm, whose 64 KB of LDS cannot hold a converted
+  128-key block pair plus a query tile.
+
+Tokens of all requests are packed (``cu_seqlens_q``); rows find their request by a binary search
+over ``cu_seqlens_q`` inside the kernels, so no per-request host metadata (max query length, batch
+size) becomes a Python constant.
 """
 
 import torch
 import triton
 
+from mm3_compile.kernels._launch import size_hint
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
+from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
 from mm3_compile.platform import FP8Format
 
@@ -25,7 +40,15 @@ FP8_PREFILL_ROWS = 64
 WIDE_TABLE_BLOCKS = 96
 WIDE_TABLE_ROWS = 16
 MAX_BLOCK_Q = 16
-KV_CENTRIC = True  # experiment switch
+
+
+def prefill_schedule(device: torch.device, table_blocks, T) -> str:
+    """``"kv_centric"`` or ``"union"`` (see the module docstring), from the device and the table width's
+    size hint (no guard: both schedules are exact, a symbolic width only picks the hint's)."""
+    if device.type == "cuda" and platform.hardware_vendor(device) == "amd":
+        return "union"
+    width = size_hint(table_blocks)
+    return "kv_centric" if width is None or width > T else "union"
 
 
 def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
@@ -51,7 +74,7 @@ def sparse_attn_prefill(
     v_scale: torch.Tensor | None,
     scale_mode: int,
 ) -> torch.Tensor:
-    if KV_CENTRIC:
+    if prefill_schedule(q.device, block_table.shape[1], topk_idx.shape[2]) == "kv_centric":
         return sparse_attn_prefill_kv_centric(
             q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode
         )
