@@ -2,16 +2,14 @@
 
 Two schedules (``prefill_schedule``):
 
-* *KV-centric* (``kv_centric.py``): the (token, slot) pairs are grouped by the block they name and
-  each block is loaded once for all of them; every dot row is useful.  Used whenever the lists
-  select among more blocks than they hold (block table wider than T) on NVIDIA.  H200, independent
-  random lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102 for the union walk, TP8
-  1x8192 126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
-* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head): a tile
-  attends the union of its tokens' lists.  Used when every list holds every visible block (a table
-  no wider than T: nothing is selected, so the union is the tile's own causal window and no row is
-  wasted, and no partials are written), and on ROCm, whose 64 KB of LDS cannot hold a converted
-  128-key block pair plus a query tile.
+* *KV-centric* (``kv_centric.py``, NVIDIA and the CPU interpreter): the (token, slot) pairs are
+  grouped by the block they name and each block is loaded once for all of them; every dot row is
+  useful.  H200, independent random lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102
+  for the union walk, TP8 1x8192 126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
+* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head; ROCm, whose
+  64 KB of LDS cannot hold a converted 128-key block pair plus a query tile): a tile attends the
+  union of its tokens' lists.  It wastes nothing when every list holds every visible block (short
+  contexts), but the choice is not made from shapes (``prefill_schedule``).
 
 Tokens of all requests are packed (``cu_seqlens_q``); rows find their request by a binary search
 over ``cu_seqlens_q`` inside the kernels, so no per-request host metadata (max query length, batch
@@ -21,7 +19,6 @@ size) becomes a Python constant.
 import torch
 import triton
 
-from mm3_compile.kernels._launch import size_hint
 from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
@@ -42,13 +39,13 @@ WIDE_TABLE_ROWS = 16
 MAX_BLOCK_Q = 16
 
 
-def prefill_schedule(device: torch.device, table_blocks, T) -> str:
-    """``"kv_centric"`` or ``"union"`` (see the module docstring), from the device and the table width's
-    size hint (no guard: both schedules are exact, a symbolic width only picks the hint's)."""
+def prefill_schedule(device: torch.device) -> str:
+    """``"kv_centric"``, or ``"union"`` on ROCm (see the module docstring).  From the hardware only, never
+    from shapes: a compiled graph traced at one size must compute what eager computes at every size
+    (compiled == eager bit for bit), and the two schedules round differently."""
     if device.type == "cuda" and platform.hardware_vendor(device) == "amd":
         return "union"
-    width = size_hint(table_blocks)
-    return "kv_centric" if width is None or width > T else "union"
+    return "kv_centric"
 
 
 def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
@@ -74,7 +71,7 @@ def sparse_attn_prefill(
     v_scale: torch.Tensor | None,
     scale_mode: int,
 ) -> torch.Tensor:
-    if prefill_schedule(q.device, block_table.shape[1], topk_idx.shape[2]) == "kv_centric":
+    if prefill_schedule(q.device) == "kv_centric":
         return sparse_attn_prefill_kv_centric(
             q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode
         )
