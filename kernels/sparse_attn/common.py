@@ -6,7 +6,8 @@ tile (``BLOCK_H = pow2(G)``, padded so BLOCK_M >= 16 for ``tl.dot``; padded rows
 are never written).  Each selected 128-token block costs one ``[BLOCK_M, D] x [D, 128]`` and one
 ``[BLOCK_M, 128] x [128, D]`` dot (``_attend_block``).
 
-* BLOCK_Q > 1 (prefill: 128 / pow2(G) tokens, at most 16): neighbouring tokens' top-k lists
+* BLOCK_Q > 1 (prefill on ROCm; NVIDIA prefill is KV-centric, ``kv_centric.py``, which reuses
+  ``_load_block`` and ``_attend_loaded``): neighbouring tokens' top-k lists
   overlap (own and local blocks, similar scores), so the tile walks the *union* of its tokens'
   valid (request, block) keys, each once, in ascending order (a min-reduction gives the next
   key), masking the rows whose own list does not name the block.  Every K/V tile load is shared

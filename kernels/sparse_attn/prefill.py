@@ -24,6 +24,7 @@ from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
 from mm3_compile.platform import FP8Format
 
+# Union walk (ROCm only now; the H200 figures below are from when it ran every prefill).
 # Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
 # trades tensor-core tile height against wasted rows: with lists drawn from few blocks (short contexts)
 # 128-row tiles share most of them; with many candidate blocks every token adds ~15 new blocks to the
