@@ -186,7 +186,7 @@ def assert_close(out, ref, dtype, what=""):
 
 @pytest.fixture
 def schedule(request, monkeypatch):
-    """Forces a prefill schedule (both are exact; the shape rule would pick one per case)."""
+    """Forces a prefill schedule (both are exact; the rule would pick one per platform and T)."""
     name = getattr(request, "param", None)
     if name is not None:
         monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: name)
@@ -241,14 +241,26 @@ def test_prefill_tile_follows_the_block_table_width(spec, device):
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16, "wide")
 
 
-def test_prefill_schedule_follows_the_hardware_only(monkeypatch):
-    """KV-centric everywhere but on ROCm (its LDS cannot hold a converted block pair and a query tile);
-    never chosen from shapes, so a graph compiled at one size computes what eager does at any size."""
-    assert prefill.prefill_schedule(torch.device("cpu")) == "kv_centric"
+def test_prefill_schedule_follows_the_hardware_and_list_length(monkeypatch):
+    """KV-centric for lists of up to KV_CENTRIC_MAX_SLOTS slots; the union walk for longer ones (dense
+    layers list every block: a T x output workspace would grow with the context) and on ROCm (its
+    LDS cannot hold a converted block pair and a query tile).  Never from sizes that vary per call."""
+    cpu = torch.device("cpu")
+    limit = prefill.KV_CENTRIC_MAX_SLOTS
+    assert prefill.prefill_schedule(cpu, 16) == prefill.prefill_schedule(cpu, limit) == "kv_centric"
+    assert prefill.prefill_schedule(cpu, limit + 1) == "union"
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
-    assert prefill.prefill_schedule(torch.device("cuda", 0)) == "kv_centric"
+    assert prefill.prefill_schedule(torch.device("cuda", 0), 16) == "kv_centric"
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
-    assert prefill.prefill_schedule(torch.device("cuda", 0)) == "union"
+    assert prefill.prefill_schedule(torch.device("cuda", 0), 16) == "union"
+
+
+def test_prefill_with_lists_of_every_block(device):
+    """A dense layer's call: every list names every block of a 129-block table (T = 129 > 128 slots,
+    past the KV-centric limit), matching the reference."""
+    case = build(device, [(129 * PAGE, 2), (300, 3)], D=64, Hkv=1, G=2, T=129)
+    assert prefill.prefill_schedule(case.q.device, case.topk_idx.shape[2]) == "union"
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
 
 
 @pytest.mark.parametrize("pair_rows, tiles", [(16, 1), (16, 2), (32, 4)])

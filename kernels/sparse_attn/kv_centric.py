@@ -20,9 +20,10 @@ and each block is re-read by every tile whose union holds it.  Here:
    slots' partials are never written nor read) like decode combines its splits.
 
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
-traces into one graph.  Numerics per block are the union walk's (``_attend_loaded``, same operand
-roundings); FP8 K/V are dequantised to the model dtype once per run, with their scales (no fp16
-operand path: the conversion is already amortised over the run's tiles).  Partials are stored in
+traces into one graph.  Numerics per block are those of the union walk's model-dtype path
+(``_attend_loaded``): FP8 K/V are dequantised with their scales to the model dtype once per run
+(the union walk and decode instead feed scalar-scaled FP8 to fp16 dots, which the run's
+amortised conversion does not need).  Partials are stored in
 the model dtype (|o| <= max |V|, so fp16 cannot overflow): one more rounding per block than the
 union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64: max error 1.0e-3 vs 7.8e-4), at half
 the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for the whole op).
@@ -254,7 +255,8 @@ def merge_slots_kernel(
     keys = tl.load(keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :], mask=row_mask[:, None],
                    other=groups)  # [BLOCK_R, BLOCK_T]  # fmt: skip
     counted = keys < groups
-    lse = tl.load(lse_ptr + slots[None, :] * total_rows + rows[:, None], mask=counted, other=float("-inf"))
+    lse = tl.load(lse_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted,
+                  other=float("-inf"))  # fmt: skip
     lse_max = tl.max(lse, axis=1)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.where(counted, tl.exp2(lse - ref[:, None]), 0.0)
@@ -263,7 +265,7 @@ def merge_slots_kernel(
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for c in range(0, BLOCK_T):
         w = tl.sum(tl.where(slots[None, :] == c, weights, 0.0), axis=1)  # [BLOCK_R]
-        o = tl.load(partial_ptr + (c * total_rows + rows[:, None]) * D + dims[None, :],
+        o = tl.load(partial_ptr + (c * total_rows.to(tl.int64) + rows[:, None]) * D + dims[None, :],
                     mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
         acc += w[:, None] * o.to(tl.float32)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]

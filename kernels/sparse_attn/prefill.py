@@ -2,14 +2,15 @@
 
 Two schedules (``prefill_schedule``):
 
-* *KV-centric* (``kv_centric.py``, NVIDIA and the CPU interpreter): the (token, slot) pairs are
-  grouped by the block they name and each block is loaded once for all of them; every dot row is
-  useful.  H200, independent random lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102
-  for the union walk, TP8 1x8192 126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
-* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head; ROCm, whose
-  64 KB of LDS cannot hold a converted 128-key block pair plus a query tile): a tile attends the
-  union of its tokens' lists.  It wastes nothing when every list holds every visible block (short
-  contexts), but the choice is not made from shapes (``prefill_schedule``).
+* *KV-centric* (``kv_centric.py``, NVIDIA and the CPU interpreter, lists of at most
+  ``KV_CENTRIC_MAX_SLOTS`` slots): the (token, slot) pairs are grouped by the block they name and
+  each block is loaded once for all of them; every dot row is useful.  H200, independent random
+  lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102 for the union walk, TP8 1x8192
+  126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
+* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head): a tile
+  attends the union of its tokens' lists.  It wastes nothing when every list names every visible
+  block (the dense layers pass such lists, T = the block-table width).  Used for longer lists and
+  on ROCm, whose 64 KB of LDS cannot hold a converted block and a query tile.
 
 Tokens of all requests are packed (``cu_seqlens_q``); rows find their request by a binary search
 over ``cu_seqlens_q`` inside the kernels, so no per-request host metadata (max query length, batch
@@ -24,7 +25,8 @@ from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
 from mm3_compile.platform import FP8Format
 
-# Union walk (ROCm only now; the H200 figures below are from when it ran every prefill).
+# Union walk (ROCm, and lists longer than KV_CENTRIC_MAX_SLOTS; the H200 figures below are from when
+# it ran every prefill).
 # Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
 # trades tensor-core tile height against wasted rows: with lists drawn from few blocks (short contexts)
 # 128-row tiles share most of them; with many candidate blocks every token adds ~15 new blocks to the
@@ -38,15 +40,22 @@ FP8_PREFILL_ROWS = 64
 WIDE_TABLE_BLOCKS = 96
 WIDE_TABLE_ROWS = 16
 MAX_BLOCK_Q = 16
+# KV-centric prefill's workspace is T x the output (a partial per slot) and its duplicate check a
+# [32, pow2(T), pow2(T)] tile: up to 32 slots (MiniMax-M3 selects 16; only T = 16 was timed).  Longer
+# lists, e.g. the dense layers' lists of every block (T = the block-table width), take the union
+# walk, which wastes nothing on lists that name every visible block.
+KV_CENTRIC_MAX_SLOTS = 32
 
 
-def prefill_schedule(device: torch.device) -> str:
-    """``"kv_centric"``, or ``"union"`` on ROCm (see the module docstring).  From the hardware only, never
-    from shapes: a compiled graph traced at one size must compute what eager computes at every size
-    (compiled == eager bit for bit), and the two schedules round differently."""
+def prefill_schedule(device: torch.device, T: int) -> str:
+    """``"kv_centric"``, or ``"union"`` on ROCm and for lists longer than ``KV_CENTRIC_MAX_SLOTS`` (see
+    the module docstring).  From the hardware and T only, never from sizes that vary between calls:
+    T is already a compile-time constant of both launchers, so a graph traced at one size computes
+    what eager computes at every size (compiled == eager bit for bit; the two schedules round
+    differently)."""
     if device.type == "cuda" and platform.hardware_vendor(device) == "amd":
         return "union"
-    return "kv_centric"
+    return "kv_centric" if int(T) <= KV_CENTRIC_MAX_SLOTS else "union"
 
 
 def prefill_block_q(G: int, table_blocks, fp8: bool) -> int:
@@ -72,7 +81,7 @@ def sparse_attn_prefill(
     v_scale: torch.Tensor | None,
     scale_mode: int,
 ) -> torch.Tensor:
-    if prefill_schedule(q.device) == "kv_centric":
+    if prefill_schedule(q.device, topk_idx.shape[2]) == "kv_centric":
         return sparse_attn_prefill_kv_centric(
             q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode
         )
