@@ -239,6 +239,31 @@ def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
 
 
 @triton.jit
+def _select_slots(
+    topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
+    stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """The contract's slot rule for rows of tokens (``token``, ``req``, ``last_block = p // 128``,
+    ``n_slots = min(T, p // 128 + 1)``, all [R]): ids [R, BLOCK_T] (-1 past n_slots), their pages, and
+    which are valid (id in [0, p // 128] and inside the table, page inside the cache).  Masked, never
+    dereferenced: slots past n_slots, invalid ids, pages outside the cache.  Repeats are the caller's."""
+    slots = tl.arange(0, BLOCK_T)
+    ids = tl.load(
+        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token[:, None].to(tl.int64) * stride_tkt
+        + slots[None, :] * stride_tks,
+        mask=slots[None, :] < n_slots[:, None], other=-1,
+    )  # fmt: skip
+    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
+    pages = tl.load(
+        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
+        mask=valid, other=-1,
+    )  # fmt: skip
+    valid = valid & (pages >= 0) & (pages < num_blocks)
+    return ids, pages, valid
+
+
+@triton.jit
 def sparse_attn_fwd_kernel(
     q_ptr,  # [total_q, Hq, D] bf16/fp16, last dim contiguous
     kv_ptr,  # [num_blocks, Hkv, 128, 2D] model dtype, typed FP8 (NATIVE_FP8) or uint8 bytes
@@ -316,20 +341,11 @@ def sparse_attn_fwd_kernel(
     n_slots = tl.minimum(T, last_block + 1)  # position-derived count of list entries to read
 
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
-    # Slots past n_slots, ids < 0 or > p // 128 or past the block table, pages outside the
-    # cache: masked, never dereferenced.
     slots = tl.arange(0, BLOCK_T)
-    ids = tl.load(
-        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token[:, None].to(tl.int64) * stride_tkt
-        + slots[None, :] * stride_tks,
-        mask=slots[None, :] < n_slots[:, None], other=-1,
-    )  # [BLOCK_M, BLOCK_T]  # fmt: skip
-    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
-    pages = tl.load(
-        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
-        mask=valid, other=-1,
-    )  # fmt: skip
-    valid = valid & (pages >= 0) & (pages < num_blocks)
+    ids, pages, valid = _select_slots(
+        topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
+        stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
+    )  # [BLOCK_M, BLOCK_T] each  # fmt: skip
     keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]
 
     dims = tl.arange(0, D)

@@ -35,7 +35,15 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import format_constants
-from mm3_compile.kernels.sparse_attn.common import LOG2E, PAGE, _attend_loaded, _find_requests, _load_block, kernel_options
+from mm3_compile.kernels.sparse_attn.common import (
+    LOG2E,
+    PAGE,
+    _attend_loaded,
+    _find_requests,
+    _load_block,
+    _select_slots,
+    kernel_options,
+)
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format, triton_native_fp8
 
@@ -86,17 +94,10 @@ def pair_keys_kernel(
     last_block = tl.where(pos >= 0, pos // PAGE, -1)
     n_slots = tl.minimum(T, last_block + 1)
     slots = tl.arange(0, BLOCK_T)
-    ids = tl.load(
-        topk_ptr + kv_head.to(tl.int64) * stride_tkh + tokens[:, None].to(tl.int64) * stride_tkt
-        + slots[None, :] * stride_tks,
-        mask=slots[None, :] < n_slots[:, None], other=-1,
-    )  # [BLOCK_TOK, BLOCK_T]  # fmt: skip
-    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
-    pages = tl.load(
-        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
-        mask=valid, other=-1,
-    )  # fmt: skip
-    valid = valid & (pages >= 0) & (pages < num_blocks)
+    ids, _, valid = _select_slots(
+        topk_ptr, block_table_ptr, kv_head, tokens, req, last_block, n_slots, num_blocks, max_blocks,
+        stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
+    )  # [BLOCK_TOK, BLOCK_T] each  # fmt: skip
     earlier = slots[None, None, :] < slots[None, :, None]  # [1, BLOCK_T (slot), BLOCK_T (earlier slot)]
     repeat = tl.max(((ids[:, None, :] == ids[:, :, None]) & earlier).to(tl.int32), axis=2) > 0
     key = tl.where(valid & ~repeat, (kv_head * num_reqs + req[:, None]) * max_blocks + ids, groups)
