@@ -239,6 +239,25 @@ def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
 
 
 @triton.jit
+def _packed_requests(cu_seqlens_ptr, num_reqs, tokens):
+    """Packed tokens (``cu_seqlens``) -> (request, query length, offset inside the request), all [R]."""
+    req = _find_requests(cu_seqlens_ptr, num_reqs, tokens)
+    q_start = tl.load(cu_seqlens_ptr + req)
+    q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
+    return req, q_len, tokens - q_start
+
+
+@triton.jit
+def _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T):
+    """The contract's position rule: p = seq_len - q_len + offset (-1 for rows past the tokens), the last
+    block a row may see (p // 128) and how many list slots it reads (min(T, p // 128 + 1))."""
+    pos = tl.load(seq_lens_ptr + req) - q_len + offset
+    pos = tl.where(token_ok, pos, -1)
+    last_block = tl.where(pos >= 0, pos // PAGE, -1)
+    return pos, last_block, tl.minimum(T, last_block + 1)
+
+
+@triton.jit
 def _select_slots(
     topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
     stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb,
@@ -327,18 +346,12 @@ def sparse_attn_fwd_kernel(
     row_mask = token_ok & (head_in_group < G)
     token = tl.where(token_ok, token, 0)
     if VARLEN:
-        req = _find_requests(cu_seqlens_ptr, num_reqs, token)
-        q_start = tl.load(cu_seqlens_ptr + req)
-        q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-        offset = token - q_start
+        req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, token)
     else:
         req = token // q_per_req
         q_len = q_per_req
         offset = token - req * q_per_req
-    pos = tl.load(seq_lens_ptr + req) - q_len + offset  # [BLOCK_M] absolute query positions
-    pos = tl.where(token_ok, pos, -1)
-    last_block = tl.where(pos >= 0, pos // PAGE, -1)
-    n_slots = tl.minimum(T, last_block + 1)  # position-derived count of list entries to read
+    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T)  # [BLOCK_M] each
 
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)

@@ -39,9 +39,10 @@ from mm3_compile.kernels.sparse_attn.common import (
     LOG2E,
     PAGE,
     _attend_loaded,
-    _find_requests,
     _load_block,
+    _packed_requests,
     _select_slots,
+    _slot_window,
     kernel_options,
 )
 from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
@@ -86,13 +87,8 @@ def pair_keys_kernel(
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     token_ok = tokens < total_q
     tokens = tl.where(token_ok, tokens, 0)
-    req = _find_requests(cu_seqlens_ptr, num_reqs, tokens)
-    q_start = tl.load(cu_seqlens_ptr + req)
-    q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-    pos = tl.load(seq_lens_ptr + req) - q_len + (tokens - q_start)  # [BLOCK_TOK]
-    pos = tl.where(token_ok, pos, -1)
-    last_block = tl.where(pos >= 0, pos // PAGE, -1)
-    n_slots = tl.minimum(T, last_block + 1)
+    req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, tokens)
+    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T)  # [BLOCK_TOK] each
     slots = tl.arange(0, BLOCK_T)
     ids, _, valid = _select_slots(
         topk_ptr, block_table_ptr, kv_head, tokens, req, last_block, n_slots, num_blocks, max_blocks,
