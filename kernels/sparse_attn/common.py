@@ -528,6 +528,27 @@ def kernel_options(
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
 
 
+def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
+    """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
+    or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
+    bf16/fp16 caches), scale tensors (``placeholder`` where none is read: the kernel's scale branches
+    are compiled out), per-slot scale strides, and the FP8 format's constexprs (no FP8_MAX: reading
+    never saturates)."""
+    if fmt is not None and not platform.triton_native_fp8(fmt.dtype, kv_cache.device):
+        kv_cache = kv_cache.view(torch.uint8)
+    if fmt is None:
+        scale_mode = SCALE_NONE
+    fp8_constants = format_constants(fmt) if fmt is not None else dict(
+        FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False
+    )  # fmt: skip
+    fp8_constants.pop("FP8_MAX")
+    if scale_mode == SCALE_NONE:
+        k_scale = v_scale = placeholder
+    k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    return kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants
+
+
 def launch_sparse_attn(
     q: torch.Tensor,  # [total_q, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, Hkv, 128, 2D] in its storage dtype (typed FP8 view for FP8)
@@ -554,18 +575,9 @@ def launch_sparse_attn(
     block_h = max(triton.next_power_of_2(G), 16 // block_q)  # tl.dot needs M >= 16 rows
     T = topk_idx.shape[2]
     num_reqs = seq_lens.shape[0]
-    if fmt is not None and not platform.triton_native_fp8(fmt.dtype, q.device):
-        kv_cache = kv_cache.view(torch.uint8)  # decoded from the bytes with integer arithmetic
-    if fmt is None:
-        scale_mode = SCALE_NONE  # bf16/fp16 caches are not scaled
-    fp8_constants = format_constants(fmt) if fmt is not None else dict(
-        FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False
-    )  # fmt: skip
-    fp8_constants.pop("FP8_MAX")  # reading never saturates
-    if scale_mode == SCALE_NONE:
-        k_scale = v_scale = seq_lens  # never read: the kernel's scale branches are compiled out
-    k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
-    v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
+        kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
+    )
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
     decode_tile = cu_seqlens_q is None and block_q == 1
     bf16_decode = fmt is None and decode_tile

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.fp8 import format_constants
 from mm3_compile.kernels.sparse_attn.common import (
     LOG2E,
     PAGE,
@@ -44,9 +43,9 @@ from mm3_compile.kernels.sparse_attn.common import (
     _select_slots,
     _slot_window,
     kernel_options,
+    kv_launch_args,
 )
-from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
-from mm3_compile.platform import FP8Format, triton_native_fp8
+from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,
 # 255 registers x 128 threads each), so one's MMAs overlap the other's softmax and stores.  H200, same
@@ -306,18 +305,9 @@ def sparse_attn_prefill_kv_centric(
     num_pairs = Hkv * total_q * block_t
     partial = empty_row_major((T, total_q, Hq, D), q.dtype, q.device)  # written and read per counted slot
     lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
-    if fmt is not None and not triton_native_fp8(fmt.dtype, q.device):
-        kv_cache = kv_cache.view(torch.uint8)  # decoded from the bytes with integer arithmetic
-    if fmt is None:
-        scale_mode = SCALE_NONE
-    fp8_constants = format_constants(fmt) if fmt is not None else dict(
-        FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False
-    )  # fmt: skip
-    fp8_constants.pop("FP8_MAX")  # reading never saturates
-    if scale_mode == SCALE_NONE:
-        k_scale = v_scale = seq_lens  # never read
-    k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
-    v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
+    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
+        kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
+    )
     launch(
         kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
         q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse,
