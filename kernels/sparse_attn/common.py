@@ -204,28 +204,6 @@ def _attend_block(
 
 
 @triton.jit
-def _prepare_q(q, qk_scale, k_scale, FP16_DOTS: tl.constexpr, DOT_FP32: tl.constexpr):
-    """q [BLOCK_M, D] in the dot dtype and the logit factor (scalar, or [BLOCK_M, 1] for FP16_DOTS).
-
-    FP16_DOTS: scale each row by the power of two that brings its largest |q| into [2^14, 2^15):
-    exact, and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
-    bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  Rows whose maximum
-    is 0, inf or NaN keep scale 1.  k_scale joins the logit factor."""
-    if FP16_DOTS:
-        q = q.to(tl.float32)
-        row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
-        max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        usable = (row_max > 0.0) & (row_max < float("inf"))
-        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -100), 100), 0)
-        q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
-        q = (q * q_scale[:, None]).to(tl.float16)
-        qk_scale = (qk_scale * k_scale / q_scale)[:, None]  # [BLOCK_M, 1] logit factor per row
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    return q, qk_scale
-
-
-@triton.jit
 def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
     """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
     lo = tl.zeros(tokens.shape, tl.int32)
@@ -372,7 +350,22 @@ def sparse_attn_fwd_kernel(
     if SCALE_MODE == 1:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    q, qk_scale = _prepare_q(q, qk_scale, k_scale, FP16_DOTS, DOT_FP32)
+    if FP16_DOTS:
+        # Scale each row by the power of two that brings its largest |q| into [2^14, 2^15): exact,
+        # and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
+        # bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  Rows whose
+        # maximum is 0, inf or NaN keep scale 1.
+        q = q.to(tl.float32)
+        row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
+        max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        usable = (row_max > 0.0) & (row_max < float("inf"))
+        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -100), 100), 0)
+        q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
+        q = (q * q_scale[:, None]).to(tl.float16)
+        qk_scale = (qk_scale * k_scale / q_scale)[:, None]  # [BLOCK_M, 1] logit factor per row
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
