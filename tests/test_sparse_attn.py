@@ -414,6 +414,22 @@ def test_decode_fp8(target, spec, layout, scale, device):
 
 
 @OP_SCHEDULES
+@pytest.mark.parametrize("sm_scale", [0.0, -(128**-0.5)])
+def test_zero_and_negative_softmax_scales(op, schedule, sm_scale, device):
+    """Any finite sm_scale is the contract: 0 weights every visible key equally (the causal mask must
+    still hold), a negative one favours the smallest logits (the KV-centric tile takes its max from
+    the raw logits, so it flips K's sign instead)."""
+    reqs = [(300, 6), (70, 3)] if op == "prefill" else [(260, 1), (129, 1), (700, 1)]
+    case = dataclasses.replace(build(device, reqs, Hkv=2, G=2, seed=11), sm_scale=sm_scale)
+    if op == "prefill":
+        out, ref = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference()
+    else:
+        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+        ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(out, ref, torch.bfloat16, f"{op}, sm_scale {sm_scale}")
+
+
+@OP_SCHEDULES
 @pytest.mark.parametrize("q_factor", [2.0**20, 2.0**-66])
 def test_fp8_queries_outside_fp16_range(op, schedule, q_factor, device):
     """FP8 attention runs its dots on fp16 operands: queries far beyond fp16's range (which would overflow)

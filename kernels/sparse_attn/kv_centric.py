@@ -4,29 +4,36 @@ The union walk (``common.py``, BLOCK_Q > 1) hands a tile of consecutive tokens e
 them selected; with independent lists most of its dot rows are masked (~28% useful at TP1 1x8192)
 and each block is re-read by every tile whose union holds it.  Here:
 
-1. ``pair_keys_kernel`` gives every (KV head, token, slot) its group key ``(head * num_reqs +
-   request) * max_blocks + block`` if the slot counts, else ``groups`` (sorts last).  Which slots
-   count is the contract's rule (see ``common.py``): slots ``< min(T, p // 128 + 1)``, ids in
-   ``[0, p // 128]`` and inside the block table, pages inside the cache, an id listed twice counted
-   once.  Slots are padded to ``BLOCK_T`` (a power of two), so a pair's flat index unpacks with shifts.
-2. ``torch.sort`` (stable: tokens stay ascending inside a group).
+1. ``pair_keys_kernel`` gives every (KV head, token, slot) its key ``2 * group + diagonal`` if the
+   slot counts, else ``uncounted`` (sorts last); ``group = (head * num_reqs + request) * max_blocks +
+   block`` and ``diagonal`` says the block is the token's own (``p // 128``).  Which slots count is
+   the contract's rule (see ``common.py``): slots ``< min(T, p // 128 + 1)``, ids in ``[0, p // 128]``
+   and inside the block table, pages inside the cache, an id listed twice counted once.  Slots are
+   padded to ``BLOCK_T`` (a power of two), so a pair's flat index unpacks with shifts.
+2. ``torch.sort`` (stable: tokens stay ascending inside a key).
 3. ``kv_centric_attn_kernel``: program p takes the sorted pairs ``[p * PAIRS, (p + 1) * PAIRS)``.
-   For each run of one group inside them it loads and converts that block's K/V once, then walks the
+   For each run of one key inside them it loads and converts that block's K/V once, then walks the
    run in tiles of ``BLOCK_TOK`` tokens x ``BLOCK_H`` heads whose rows all attend the block: per tile
-   one ``[BLOCK_M, D] x [D, 128]`` and one ``[BLOCK_M, 128] x [128, D]`` dot, the next tile's query
-   rows gathered while this one computes (software-pipelined counted loop).  Each pair writes its
-   normalised partial and log2-sum-exp at ``[slot, token, head]``.
+   one ``[BLOCK_M, D] x [D, 128]`` and one ``[BLOCK_M, 128] x [128, D]`` dot and a one-block softmax
+   (``_attend_tile``), the next tile's query rows gathered while this one computes (pipelined by
+   hand).  Each pair writes its normalised partial and log2-sum-exp at ``[slot, token, head]``.
 4. ``merge_slots_kernel`` combines each token's counted slots (read from the keys, so uncounted
    slots' partials are never written nor read) like decode combines its splits.
 
+Why the diagonal bit: a block older than the token's own lies wholly before it (``block * 128 + 127 <
+p``), so every key of it is visible and the tile needs no mask at all; only runs of own blocks (one
+slot in T) build the causal mask.  The loop is bound by the instructions it issues (two 4-warp
+programs per SM; H200 ncu, TP1 1x8192: 0.45 instructions per cycle per scheduler, 1.8 eligible
+warps), and the mask was a third of the per-element work.
+
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
-traces into one graph.  Numerics per block are those of the union walk's model-dtype path
-(``_attend_loaded``): FP8 K/V are dequantised with their scales to the model dtype once per run
-(the union walk and decode instead feed scalar-scaled FP8 to fp16 dots, which the run's
-amortised conversion does not need).  Partials are stored in
-the model dtype (|o| <= max |V|, so fp16 cannot overflow): one more rounding per block than the
-union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64: max error 1.0e-3 vs 7.8e-4), at half
-the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for the whole op).
+traces into one graph.  Numerics per block: logits and their max in fp32, ``p = exp2(s * scale - m)``
+rounded to the model dtype before P.V (as the union walk), FP8 K/V dequantised with their scales to
+the model dtype once per run (the union walk and decode instead feed scalar-scaled FP8 to fp16
+dots, which the run's amortised conversion does not need).  Partials are stored in the model dtype
+(|o| <= max |V|, so fp16 cannot overflow): one more rounding per block than the union walk (H200,
+TP1 1x8192 bf16, sampled tokens vs float64: max error 1.0e-3 vs 7.8e-4), at half the traffic of fp32
+partials (which measured 3.9 vs 2.9 ms for the whole op).
 """
 
 import torch
@@ -37,7 +44,6 @@ from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.sparse_attn.common import (
     LOG2E,
     PAGE,
-    _attend_loaded,
     _load_block,
     _packed_requests,
     _select_slots,
@@ -76,7 +82,7 @@ def pair_keys_kernel(
     num_blocks,
     max_blocks,
     T,
-    groups,
+    uncounted,  # the key of a pair that does not count: 2 * groups
     stride_tkh, stride_tkt, stride_tks,
     stride_btr, stride_btb,
     BLOCK_TOK: tl.constexpr,
@@ -95,7 +101,9 @@ def pair_keys_kernel(
     )  # [BLOCK_TOK, BLOCK_T] each  # fmt: skip
     earlier = slots[None, None, :] < slots[None, :, None]  # [1, BLOCK_T (slot), BLOCK_T (earlier slot)]
     repeat = tl.max(((ids[:, None, :] == ids[:, :, None]) & earlier).to(tl.int32), axis=2) > 0
-    key = tl.where(valid & ~repeat, (kv_head * num_reqs + req[:, None]) * max_blocks + ids, groups)
+    group = (kv_head * num_reqs + req[:, None]) * max_blocks + ids
+    diagonal = (ids == last_block[:, None]).to(tl.int32)
+    key = tl.where(valid & ~repeat, group * 2 + diagonal, uncounted)
     flat = (kv_head.to(tl.int64) * total_q + tokens[:, None]) * BLOCK_T + slots[None, :]
     tl.store(keys_ptr + flat, key, mask=token_ok[:, None])
     if kv_head == 0:
@@ -103,10 +111,46 @@ def pair_keys_kernel(
 
 
 @triton.jit
+def _attend_tile(
+    q,  # [BLOCK_M, D] dot dtype
+    k,  # [D, 128] dot dtype
+    v,  # [128, D] dot dtype
+    key_pos,  # [128] logical positions of the block's keys
+    limit,  # [BLOCK_M] last key position a row may see (-1: none); read only when ``diagonal``
+    diagonal,  # scalar: the block is the rows' own, mask keys after each row's position
+    qk_scale,  # >= 0, log2(e) folded in
+    P_DTYPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One block's attention for fresh rows: (normalised output [BLOCK_M, D] fp32, log2-sum-exp [BLOCK_M]).
+
+    Off the diagonal every key is visible and rows without a pair have q = 0, so nothing is masked.
+    The max is taken on the raw logits (``qk_scale >= 0``) and the scale folded into the exponent;
+    on the diagonal the mask picks the max and zeroes the weights (masking the logits with -inf
+    would turn a zero scale into NaN)."""
+    s = tl.dot(q, k)  # [BLOCK_M, 128] raw logits
+    if diagonal:
+        s_max = tl.max(tl.where(key_pos[None, :] <= limit[:, None], s, float("-inf")), axis=1)
+    else:
+        s_max = tl.max(s, axis=1)
+    m = tl.where(s_max == float("-inf"), 0.0, s_max * qk_scale)  # [BLOCK_M] log2 domain; 0 for a row that sees no key
+    p = tl.exp2(s * qk_scale - m[:, None])
+    if diagonal:
+        p = tl.where(key_pos[None, :] <= limit[:, None], p, 0.0)
+    l = tl.sum(p, axis=1)
+    p = p.to(P_DTYPE)
+    if DOT_FP32:
+        p = p.to(tl.float32)
+    o = tl.dot(p, v) * (1.0 / tl.where(l > 0.0, l, 1.0))[:, None]
+    lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+    return o, lse
+
+
+@triton.jit
 def kv_centric_attn_kernel(
     q_ptr,  # [total_q, Hq, D]
     kv_ptr,  # [num_blocks, Hkv, 128, 2D]
-    sorted_keys_ptr,  # [N] int32 (N = Hkv * total_q * BLOCK_T), ascending, groups for uncounted pairs
+    sorted_keys_ptr,  # [N] int32 (N = Hkv * total_q * BLOCK_T), ascending, ``uncounted`` last
     order_ptr,  # [N] int64: the flat (head, token, slot) index of each sorted key
     pos_ptr,  # [total_q] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
@@ -116,7 +160,7 @@ def kv_centric_attn_kernel(
     partial_ptr,  # [T, total_q, Hq, D] model dtype
     lse_ptr,  # [T, total_q, Hq] fp32
     num_pairs,
-    groups,
+    uncounted,
     total_q,
     Hq,
     num_reqs,
@@ -145,11 +189,14 @@ def kv_centric_attn_kernel(
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    # A negative scale flips which logit is the max: flip K's sign instead (exact), once per run.
+    negate_k = qk_scale < 0.0
+    qk_scale = tl.abs(qk_scale)
     MODEL_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     start = tl.program_id(0).to(tl.int64) * PAIRS
     index = tl.arange(0, PAIRS)
-    run_keys = tl.load(sorted_keys_ptr + start + index, mask=start + index < num_pairs, other=groups)  # [PAIRS]
-    counted = tl.sum((run_keys < groups).to(tl.int32))  # sorted: the counted pairs come first
+    run_keys = tl.load(sorted_keys_ptr + start + index, mask=start + index < num_pairs, other=uncounted)  # [PAIRS]
+    counted = tl.sum((run_keys < uncounted).to(tl.int32))  # sorted: the counted pairs come first
     rows = tl.arange(0, BLOCK_M)
     head_in_group = rows % BLOCK_H
     offs = tl.arange(0, PAGE)
@@ -161,9 +208,11 @@ def kv_centric_attn_kernel(
         v_scale = tl.load(v_scale_ptr)
     run_first = tl.full([], 0, tl.int32)
     while run_first < counted:
-        # the run starting at run_first: its group, and its length (sorted: all its keys are in this run)
-        group = tl.sum(tl.where(index == run_first, run_keys, 0))
-        run_end = run_first + tl.sum((run_keys == group).to(tl.int32))
+        # the run starting at run_first: its key, and its length (sorted: all its pairs are in this run)
+        run_key = tl.sum(tl.where(index == run_first, run_keys, 0))
+        run_end = run_first + tl.sum((run_keys == run_key).to(tl.int32))
+        diagonal = (run_key & 1) == 1
+        group = run_key >> 1
         block = group % max_blocks
         head_req = group // max_blocks
         req = head_req % num_reqs
@@ -177,6 +226,8 @@ def kv_centric_attn_kernel(
             D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
             False,
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
+        if negate_k:
+            k = -k
         heads = kv_head * G + head_in_group  # [BLOCK_M]
         head_tokens = kv_head.to(tl.int64) * total_q
         # Tiles are software-pipelined by hand, in registers: tile i + 1's query rows and tile i + 2's
@@ -194,9 +245,9 @@ def kv_centric_attn_kernel(
         for tile_first in tl.range(run_first, run_end, BLOCK_TOK, num_stages=1):
             slot = flat & ((1 << SLOT_BITS) - 1)
             row_mask = member & (head_in_group < G)
-            visible = row_mask[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
             part_row = (slot * total_q + token) * Hq + heads  # [BLOCK_M] row of [T, total_q, Hq]
             tile_q = q
+            tile_limit = tl.where(head_in_group < G, pos, -1)
             if DOT_FP32:
                 tile_q = tile_q.to(tl.float32)
             # prefetch: the next tile's rows (entries loaded one iteration ago), the entries after it
@@ -207,13 +258,7 @@ def kv_centric_attn_kernel(
                         mask=(next_member & (head_in_group < G))[:, None], other=0.0)  # fmt: skip
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
-            m, l, acc = _attend_loaded(
-                tile_q, tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
-                tl.zeros([BLOCK_M, D], tl.float32), k, v, visible, qk_scale, MODEL_DTYPE, DOT_FP32,
-            )  # fmt: skip
-            has_keys = l > 0.0
-            o = acc / tl.where(has_keys, l, 1.0)[:, None]
-            lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+            o, lse = _attend_tile(tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, MODEL_DTYPE, DOT_FP32)
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
@@ -227,13 +272,13 @@ def kv_centric_attn_kernel(
 
 @triton.jit
 def merge_slots_kernel(
-    keys_ptr,  # [Hkv, total_q, BLOCK_T] int32, < groups: the slot holds a partial
+    keys_ptr,  # [Hkv, total_q, BLOCK_T] int32, < uncounted: the slot holds a partial
     partial_ptr,  # [T, total_q * Hq, D]
     lse_ptr,  # [T, total_q * Hq] fp32
     out_ptr,  # [total_q * Hq, D]
     total_q,
     Hq,
-    groups,
+    uncounted,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -248,9 +293,9 @@ def merge_slots_kernel(
     kv_head = (rows - token * Hq) // G
     rows = rows.to(tl.int64)
     slots = tl.arange(0, BLOCK_T)
-    keys = tl.load(keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :], mask=row_mask[:, None],
-                   other=groups)  # [BLOCK_R, BLOCK_T]  # fmt: skip
-    counted = keys < groups
+    keys = tl.load(keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :],
+                   mask=row_mask[:, None], other=uncounted)  # [BLOCK_R, BLOCK_T]  # fmt: skip
+    counted = keys < uncounted
     lse = tl.load(lse_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted,
                   other=float("-inf"))  # fmt: skip
     lse_max = tl.max(lse, axis=1)
@@ -287,15 +332,17 @@ def sparse_attn_prefill_kv_centric(
     T = topk_idx.shape[2]
     num_reqs, max_blocks = block_table.shape
     block_t = triton.next_power_of_2(int(T))
-    groups = Hkv * num_reqs * max_blocks
-    torch._check(groups < 2**31, lambda: "sparse_attn_prefill: KV heads x requests x block-table width must be < 2^31")
+    uncounted = 2 * Hkv * num_reqs * max_blocks  # keys are 2 * group + diagonal
+    torch._check(
+        uncounted < 2**31, lambda: "sparse_attn_prefill: KV heads x requests x block-table width must be < 2^30"
+    )
     keys = empty_row_major((Hkv, total_q, block_t), torch.int32, q.device)
     pos = torch.empty((total_q,), dtype=torch.int32, device=q.device)
     launch(
         pair_keys_kernel, (triton.cdiv(total_q, KEY_TOKENS), Hkv),
-        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, pos, total_q, num_reqs, num_blocks, max_blocks, T, groups,
-        topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2), block_table.stride(0), block_table.stride(1),
-        BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
+        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, pos, total_q, num_reqs, num_blocks, max_blocks, T,
+        uncounted, topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
+        block_table.stride(0), block_table.stride(1), BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
     sorted_keys, order = torch.sort(keys.view(-1), stable=True)
 
@@ -311,7 +358,7 @@ def sparse_attn_prefill_kv_centric(
     launch(
         kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
         q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse,
-        num_pairs, groups, total_q, Hq, num_reqs, max_blocks, float(sm_scale) * LOG2E,
+        num_pairs, uncounted, total_q, Hq, num_reqs, max_blocks, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
@@ -320,7 +367,7 @@ def sparse_attn_prefill_kv_centric(
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
-        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, total_q, Hq, groups,
+        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, total_q, Hq, uncounted,
         G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
     return out
