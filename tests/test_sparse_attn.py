@@ -276,43 +276,6 @@ def test_kv_centric_runs_split_across_programs(pair_rows, tiles, device, monkeyp
     assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
 
 
-def test_kv_centric_grouping_sorts_the_counted_pairs(device, monkeypatch):
-    """The counting sort's output is what a sort of the keys gives: keys ascending, uncounted ones
-    (-1, beyond p // 128, repeated, padded slots) last, and each counted pair exactly once, at a place
-    holding its key; a pair's key is 2 * (head, request, block) group + 1 for the token's own block."""
-    monkeypatch.setenv("MM3_VALIDATE", "0")
-    case = build(device, [(300, 7), (383, 9), (140, 0), (263, 7)], D=64, Hkv=2, G=4, T=5, corrupt=True, seed=5)
-    case.topk_idx[:, ::3, 2] = case.topk_idx[:, ::3, 1]
-    keys, pos, sorted_keys, order, uncounted = kv_centric.group_pairs(
-        case.topk_idx, case.block_table, case.cu_seqlens_q, case.seq_lens, case.kv_cache.shape[0], case.q.shape[0]
-    )
-    flat_keys = keys.reshape(-1).long()
-    assert torch.equal(sorted_keys.long(), flat_keys.sort().values)
-    counted = int((flat_keys < uncounted).sum())
-    assert 0 < counted < flat_keys.numel()
-    placed = order[:counted]
-    assert torch.equal(placed.sort().values, (flat_keys < uncounted).nonzero().flatten())
-    assert torch.equal(flat_keys[placed], sorted_keys[:counted].long())
-    Hkv, total_q, block_t = keys.shape
-    num_reqs, max_blocks = case.block_table.shape
-    topk, table, cu = case.topk_idx.cpu(), case.block_table.cpu(), case.cu_seqlens_q.cpu().long()
-    got = keys.cpu()
-    for head in range(Hkv):  # the contract's slot rule, by hand: every (head, token)'s counted keys
-        for token in range(total_q):
-            req = int(torch.searchsorted(cu, token, right=True)) - 1
-            p = int(case.seq_lens[req]) - int(cu[req + 1] - cu[req]) + token - int(cu[req])
-            assert int(pos[token]) == p
-            want, seen = [], set()
-            for slot in range(min(topk.shape[2], p // PAGE + 1)):
-                block = int(topk[head, token, slot])
-                page = int(table[req, block]) if 0 <= block < max_blocks else -1
-                if 0 <= block <= p // PAGE and 0 <= page < case.kv_cache.shape[0] and block not in seen:
-                    seen.add(block)
-                    want.append(2 * ((head * num_reqs + req) * max_blocks + block) + int(block == p // PAGE))
-            row = got[head, token]
-            assert sorted(row[row < uncounted].tolist()) == sorted(want), (head, token)
-
-
 @SCHEDULES
 @pytest.mark.parametrize("target, spec, layout, scale", FP8_CASES)
 def test_prefill_fp8(target, spec, layout, scale, schedule, device):
@@ -799,7 +762,6 @@ def build(kernel, constexprs, pointers, aligned_ints, num_warps):
 
 
 build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), 4)
-build(kc.scatter_pairs_kernel, dict(BLOCK=kc.SCATTER_PAIRS), dict(order_ptr="*i64"), (), 4)
 build(kc.kv_centric_attn_kernel,
       dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
            IS_FP8=kv_type != "*bf16", NATIVE_FP8=native, SCALE_MODE=scale_mode, DOT_FP32=False, FP8_MANT=3,

@@ -10,14 +10,7 @@ and each block is re-read by every tile whose union holds it.  Here:
    the contract's rule (see ``common.py``): slots ``< min(T, p // 128 + 1)``, ids in ``[0, p // 128]``
    and inside the block table, pages inside the cache, an id listed twice counted once.  Slots are
    padded to ``BLOCK_T`` (a power of two), so a pair's flat index unpacks with shifts.
-2. A counting sort: ``pair_keys_kernel`` also counts each key's pairs (atomics), ``torch.cumsum``
-   turns the counts into each key's end, and ``scatter_pairs_kernel`` places every counted pair in
-   its key's range (an atomic decrement per pair), so the pairs come out ascending by key, the
-   uncounted ones last.  The order of pairs inside a key varies from run to run, the results do
-   not: a tile's rows are independent (each dot row and softmax row reads only its own query row)
-   and every pair of a key attends the same block.  (``torch.sort`` did the same in 2.5x the GPU
-   time and, with its temporary buffers and memsets, ~140 us of host time per call, about what
-   the whole op takes on the GPU at TP8.)
+2. ``torch.sort`` (stable: tokens stay ascending inside a key).
 3. ``kv_centric_attn_kernel``: program p takes the sorted pairs ``[p * PAIRS, (p + 1) * PAIRS)``.
    For each run of one key inside them it loads and converts that block's K/V once, then walks the
    run in tiles of ``BLOCK_TOK`` tokens x ``BLOCK_H`` heads whose rows all attend the block: per tile
@@ -68,7 +61,6 @@ PAIR_ROWS = 64
 MAX_TILE_TOKENS = 16
 TILES_PER_PROGRAM = 32  # a power of two; amortises each block's load and conversion over its run (16/32/64: within 3%)
 KEY_TOKENS = 32  # tokens per program of pair_keys_kernel
-SCATTER_PAIRS = 1024
 MERGE_ROWS = 32
 
 
@@ -84,7 +76,6 @@ def pair_keys_kernel(
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     keys_ptr,  # [Hkv, total_q, BLOCK_T] int32 out
-    counts_ptr,  # [uncounted] int32, zero on entry: pairs per key (added atomically)
     pos_ptr,  # [total_q] int32 out: absolute positions
     total_q,
     num_reqs,
@@ -112,11 +103,9 @@ def pair_keys_kernel(
     repeat = tl.max(((ids[:, None, :] == ids[:, :, None]) & earlier).to(tl.int32), axis=2) > 0
     group = (kv_head * num_reqs + req[:, None]) * max_blocks + ids
     diagonal = (ids == last_block[:, None]).to(tl.int32)
-    counted = valid & ~repeat & token_ok[:, None]
-    key = tl.where(counted, group * 2 + diagonal, uncounted)
+    key = tl.where(valid & ~repeat, group * 2 + diagonal, uncounted)
     flat = (kv_head.to(tl.int64) * total_q + tokens[:, None]) * BLOCK_T + slots[None, :]
     tl.store(keys_ptr + flat, key, mask=token_ok[:, None])
-    tl.atomic_add(counts_ptr + key, 1, mask=counted, sem="relaxed")
     if kv_head == 0:
         tl.store(pos_ptr + tokens, pos, mask=token_ok)
 
@@ -158,29 +147,11 @@ def _attend_tile(
 
 
 @triton.jit
-def scatter_pairs_kernel(
-    keys_ptr,  # [N] int32 (N = Hkv * total_q * BLOCK_T), from pair_keys_kernel
-    ends_ptr,  # [uncounted] int32: inclusive cumulative counts; each key's end, decremented per placed pair
-    sorted_keys_ptr,  # [N] int32, ``uncounted`` on entry: counted pairs' keys written ascending
-    order_ptr,  # [N] int64 out: the flat (head, token, slot) index of each sorted key (counted pairs only)
-    num_pairs,
-    uncounted,
-    BLOCK: tl.constexpr,
-):
-    flat = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(keys_ptr + flat, mask=flat < num_pairs, other=uncounted)
-    counted = key < uncounted
-    dest = tl.atomic_add(ends_ptr + key, -1, mask=counted, sem="relaxed") - 1  # a free place in the key's range
-    tl.store(sorted_keys_ptr + dest, key, mask=counted)
-    tl.store(order_ptr + dest, flat, mask=counted)
-
-
-@triton.jit
 def kv_centric_attn_kernel(
     q_ptr,  # [total_q, Hq, D]
     kv_ptr,  # [num_blocks, Hkv, 128, 2D]
     sorted_keys_ptr,  # [N] int32 (N = Hkv * total_q * BLOCK_T), ascending, ``uncounted`` last
-    order_ptr,  # [N] int64: the flat (head, token, slot) index of each sorted counted key
+    order_ptr,  # [N] int64: the flat (head, token, slot) index of each sorted key
     pos_ptr,  # [total_q] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
@@ -342,43 +313,6 @@ def merge_slots_kernel(
     tl.store(out_ptr + rows[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def group_pairs(
-    topk_idx: torch.Tensor,  # [Hkv, total_q, T] int32
-    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
-    cu_seqlens_q: torch.Tensor,  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32
-    num_blocks: int,
-    total_q,
-):
-    """Steps 1-2 of the module docstring: (keys [Hkv, total_q, BLOCK_T], positions [total_q], sorted keys [N],
-    order [N] (the flat index of each counted sorted key), the key of uncounted pairs)."""
-    Hkv, T = topk_idx.shape[0], topk_idx.shape[2]
-    num_reqs, max_blocks = block_table.shape
-    block_t = triton.next_power_of_2(int(T))
-    uncounted = 2 * Hkv * num_reqs * max_blocks  # keys are 2 * group + diagonal
-    torch._check(
-        uncounted < 2**31, lambda: "sparse_attn_prefill: KV heads x requests x block-table width must be < 2^30"
-    )
-    num_pairs = Hkv * total_q * block_t
-    keys = empty_row_major((Hkv, total_q, block_t), torch.int32, topk_idx.device)
-    counts = torch.zeros((uncounted,), dtype=torch.int32, device=topk_idx.device)
-    pos = torch.empty((total_q,), dtype=torch.int32, device=topk_idx.device)
-    launch(
-        pair_keys_kernel, (triton.cdiv(total_q, KEY_TOKENS), Hkv),
-        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, counts, pos, total_q, num_reqs, num_blocks, max_blocks,
-        T, uncounted, topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
-        block_table.stride(0), block_table.stride(1), BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
-    )  # fmt: skip
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    sorted_keys = torch.full((num_pairs,), uncounted, dtype=torch.int32, device=topk_idx.device)
-    order = torch.empty((num_pairs,), dtype=torch.int64, device=topk_idx.device)
-    launch(
-        scatter_pairs_kernel, (triton.cdiv(num_pairs, SCATTER_PAIRS),), keys, ends, sorted_keys, order, num_pairs,
-        uncounted, BLOCK=SCATTER_PAIRS, num_warps=4,
-    )  # fmt: skip
-    return keys, pos, sorted_keys, order, uncounted
-
-
 def sparse_attn_prefill_kv_centric(
     q: torch.Tensor,  # [total_q, Hq, D]
     kv_cache: torch.Tensor,  # [num_blocks, Hkv, 128, 2D] storage-dtype view
@@ -398,14 +332,24 @@ def sparse_attn_prefill_kv_centric(
     T = topk_idx.shape[2]
     num_reqs, max_blocks = block_table.shape
     block_t = triton.next_power_of_2(int(T))
-    keys, pos, sorted_keys, order, uncounted = group_pairs(
-        topk_idx, block_table, cu_seqlens_q, seq_lens, num_blocks, total_q
+    uncounted = 2 * Hkv * num_reqs * max_blocks  # keys are 2 * group + diagonal
+    torch._check(
+        uncounted < 2**31, lambda: "sparse_attn_prefill: KV heads x requests x block-table width must be < 2^30"
     )
-    num_pairs = Hkv * total_q * block_t
+    keys = empty_row_major((Hkv, total_q, block_t), torch.int32, q.device)
+    pos = torch.empty((total_q,), dtype=torch.int32, device=q.device)
+    launch(
+        pair_keys_kernel, (triton.cdiv(total_q, KEY_TOKENS), Hkv),
+        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, pos, total_q, num_reqs, num_blocks, max_blocks, T,
+        uncounted, topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
+        block_table.stride(0), block_table.stride(1), BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
+    sorted_keys, order = torch.sort(keys.view(-1), stable=True)
 
     block_tok = tile_tokens(G)
     block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
     pairs = block_tok * TILES_PER_PROGRAM
+    num_pairs = Hkv * total_q * block_t
     partial = empty_row_major((T, total_q, Hq, D), q.dtype, q.device)  # written and read per counted slot
     lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
     kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
