@@ -5,8 +5,8 @@ Two schedules (``prefill_schedule``):
 * *KV-centric* (``kv_centric.py``, NVIDIA and the CPU interpreter, lists of at most
   ``KV_CENTRIC_MAX_SLOTS`` slots): the (token, slot) pairs are grouped by the block they name and
   each block is loaded once for all of them; every dot row is useful.  H200, independent random
-  lists (bench/NOTES.md): TP1 1x8192 bf16 192-197 TFLOP/s vs 102 for the union walk, TP8 1x8192
-  126-128 vs 79, TP8 4x2048 after a 16k prefix 136-138 vs 53.
+  lists (bench/NOTES.md, run 2026-11-30T04:50:28Z): TP1 1x8192 bf16 222 TFLOP/s vs 102 for the
+  union walk, TP8 1x8192 134 vs 79, TP8 4x2048 after a 16k prefix 143 vs 53.
 * *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head): a tile
   attends the union of its tokens' lists.  It wastes nothing when every list names every visible
   block (the dense layers pass such lists, T = the block-table width).  Used for longer lists and
