@@ -303,6 +303,19 @@ def test_invalid_topk_entries_are_ignored(op, schedule, device, monkeypatch):
     assert_close(out, case.reference(), torch.bfloat16, op)
 
 
+@SCHEDULES
+def test_prefill_tokens_past_the_last_request_are_zero(schedule, device, monkeypatch):
+    """Value checks off (the GPU default) and cu_seqlens_q ending before total_q: the tokens past its
+    end belong to no request, attend nothing and are 0, as in the reference (not keys past seq_len)."""
+    monkeypatch.setenv("MM3_VALIDATE", "0")
+    case = build(device, [(300, 6), (70, 5)], Hkv=2, G=2, seed=13)
+    case.cu_seqlens_q = case.cu_seqlens_q.clone()
+    case.cu_seqlens_q[-1] -= 2
+    out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+    assert (out[-2:] == 0).all()
+    assert_close(out, case.reference(), torch.bfloat16)
+
+
 @pytest.mark.parametrize(
     "model_dtype, layout, D, Hkv, G",
     [(torch.bfloat16, "NHD", 128, 2, 4), (torch.float16, "HND", 64, 1, 8), (torch.bfloat16, "HND", 64, 2, 3)],

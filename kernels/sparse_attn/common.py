@@ -7,7 +7,7 @@ are never written).  Each selected 128-token block costs one ``[BLOCK_M, D] x [D
 ``[BLOCK_M, 128] x [128, D]`` dot (``_attend_block``).
 
 * BLOCK_Q > 1 (prefill on ROCm; NVIDIA prefill is KV-centric, ``kv_centric.py``, which reuses
-  ``_load_block`` and ``_attend_loaded``): neighbouring tokens' top-k lists
+  ``_load_block`` with its own one-block softmax): neighbouring tokens' top-k lists
   overlap (own and local blocks, similar scores), so the tile walks the *union* of its tokens'
   valid (request, block) keys, each once, in ascending order (a min-reduction gives the next
   key), masking the rows whose own list does not name the block.  Every K/V tile load is shared
@@ -325,11 +325,13 @@ def sparse_attn_fwd_kernel(
     token = tl.where(token_ok, token, 0)
     if VARLEN:
         req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, token)
+        packed = token_ok & (offset < q_len)  # tokens past cu_seqlens[-1] see nothing (their rows are 0)
     else:
         req = token // q_per_req
         q_len = q_per_req
         offset = token - req * q_per_req
-    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T)  # [BLOCK_M] each
+        packed = token_ok
+    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_M] each
 
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)

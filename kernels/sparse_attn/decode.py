@@ -12,9 +12,10 @@ Arrival counters must be zero when the kernel starts; the merging program zeroes
 again.  Eager calls on a device's default stream, and CUDA-graph captures once such a call has
 happened, therefore share one zeroed buffer per device, kept for the life of the process (no
 memset per step): graphs captured with it must not be replayed while another of them, or an
-eager decode call on the default stream, is still running on another stream.  Everything else gets a fresh ``torch.zeros`` (a memset):
-calls on other streams, captures before any eager call, grids larger than the buffer, and bodies
-traced for a graph (so a compiled step zeroes its own counters, ~1 us).
+eager decode call on the default stream, is still running on another stream.  Everything else gets
+a fresh ``torch.zeros`` (a memset): calls on other streams, captures before any eager call, grids
+larger than the buffer, and bodies traced for a graph (so a compiled step zeroes its own counters,
+~1 us).
 
 The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq_rel atomic).
 AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.

@@ -33,9 +33,10 @@ traces into one graph.  Numerics per block: logits and their max in fp32, ``p = 
 rounded to the model dtype before P.V (as the union walk), FP8 K/V dequantised with their scales to
 the model dtype once per run (the union walk and decode instead feed scalar-scaled FP8 to fp16
 dots, which the run's amortised conversion does not need).  Partials are stored in the model dtype
-(|o| <= max |V|, so fp16 cannot overflow): one more rounding per block than the union walk (H200,
-TP1 1x8192 bf16, sampled tokens vs float64: max error 1.0e-3 vs 7.8e-4), at half the traffic of fp32
-partials (which measured 3.9 vs 2.9 ms for the whole op).
+(|o| <= max |V| up to P's rounding, so fp16 overflows only for |V| within 2^-11 of its maximum):
+one more rounding per block than the union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64:
+max error 1.0e-3 vs 7.8e-4), at half the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for
+the whole op).
 """
 
 import torch
@@ -95,7 +96,8 @@ def pair_keys_kernel(
     token_ok = tokens < total_q
     tokens = tl.where(token_ok, tokens, 0)
     req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, tokens)
-    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T)  # [BLOCK_TOK] each
+    packed = token_ok & (offset < q_len)  # tokens past cu_seqlens[-1] count no slot (their rows are 0)
+    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_TOK] each
     slots = tl.arange(0, BLOCK_T)
     ids, _, valid = _select_slots(
         topk_ptr, block_table_ptr, kv_head, tokens, req, last_block, n_slots, num_blocks, max_blocks,
