@@ -304,15 +304,17 @@ def test_invalid_topk_entries_are_ignored(op, schedule, device, monkeypatch):
 
 
 @SCHEDULES
-def test_prefill_tokens_past_the_last_request_are_zero(schedule, device, monkeypatch):
-    """Value checks off (the GPU default) and cu_seqlens_q ending before total_q: the tokens past its
-    end belong to no request, attend nothing and are 0, as in the reference (not keys past seq_len)."""
+def test_prefill_tokens_outside_the_requests_are_zero(schedule, device, monkeypatch):
+    """Value checks off (the GPU default) and cu_seqlens_q starting after 0 and ending before total_q:
+    the tokens outside it belong to no request, attend nothing and are 0, as in the reference (not
+    request 0's keys at negative offsets, nor keys past seq_len)."""
     monkeypatch.setenv("MM3_VALIDATE", "0")
     case = build(device, [(300, 6), (70, 5)], Hkv=2, G=2, seed=13)
     case.cu_seqlens_q = case.cu_seqlens_q.clone()
+    case.cu_seqlens_q[0] += 2
     case.cu_seqlens_q[-1] -= 2
     out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
-    assert (out[-2:] == 0).all()
+    assert (out[:2] == 0).all() and (out[-2:] == 0).all()
     assert_close(out, case.reference(), torch.bfloat16)
 
 
@@ -461,6 +463,45 @@ def test_fp8_queries_outside_fp16_range(op, schedule, q_factor, device):
     assert_close(out, ref, torch.bfloat16, f"{op}, q x {q_factor}")
 
 
+@OP_SCHEDULES
+def test_logits_beyond_float32_are_nan_never_wrong(op, schedule, device):
+    """Logits are fp32 (the contract): queries whose q.k overflows it give NaN rows in every schedule,
+    never a finite answer that silently drops the overflowing block; rows that fit stay exact."""
+    reqs = [(300, 6), (70, 3)] if op == "prefill" else [(260, 1), (129, 1), (700, 1)]
+    case = build(device, reqs, Hkv=2, G=2, seed=2)
+    case = dataclasses.replace(case, q=(case.q.float().clamp(-3, 3) * 2.0**124).to(torch.bfloat16))
+    if op == "prefill":
+        out, ref = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference()
+    else:
+        out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+        ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    nan_rows = out.isnan().any(-1)  # [total_q, Hq]
+    assert nan_rows.any(), "no logit overflowed: the test lost its point"
+    exact = ~nan_rows & ref.isfinite().all(-1)
+    if exact.any():
+        assert_close(out[exact], ref[exact], torch.bfloat16, f"{op}: rows without overflow")
+    assert (nan_rows | exact).all(), f"{op}: a row is neither NaN nor the reference"
+
+
+@SCHEDULES
+@pytest.mark.parametrize("k_scale, v_scale", [(8192.0, 1.0), (1.0, 4096.0)])
+def test_prefill_fp8_large_scales_with_an_fp16_model(schedule, k_scale, v_scale, device):
+    """An fp16 model over an FP8 cache with scalar scales: scaled K/V beyond fp16's range (the values
+    are never dequantised to fp16 with their scales) give the reference's logits and output."""
+    with platform.emulate("sm_90"):
+        case = build(device, [(300, 6), (70, 3)], Hkv=2, G=2, spec="fp8", scale="scalar",
+                     model_dtype=torch.float16, seed=4)  # fmt: skip
+        case = dataclasses.replace(
+            case, k_scale=torch.tensor([k_scale], device=device), v_scale=torch.tensor([v_scale], device=device),
+            sm_scale=case.sm_scale / k_scale,
+        )
+        out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
+        ref = case.reference()
+    assert out.isfinite().all() and ref.to(torch.float16).isfinite().all()
+    unit = 0.25 / v_scale  # build() quantised V for v_scale 0.25: back to unit-sized outputs
+    assert_close(out * unit, ref * unit, torch.float16, f"k_scale {k_scale}, v_scale {v_scale}")
+
+
 @pytest.mark.parametrize("v_scale", [0.0, 2.0**-100, -0.75, 1.5 * 2.0**127])
 def test_decode_fp8_v_scale_values(v_scale, device):
     """FP8 decode applies a scalar v_scale to its output instead of to V: zero, tiny, negative and
@@ -562,6 +603,8 @@ def _bad_inputs():
         (edit(cu_seqlens_q=lambda cu, c: torch.stack([cu, cu], 1).flatten()[::2]), ValueError,
          r"cu_seqlens_q: expected a contiguous 1-D tensor \(stride 1\)"),
         (edit(sm_scale=lambda s, c: float("nan")), ValueError, "sm_scale: expected a finite number"),
+        (edit(sm_scale=lambda s, c: -3e38), ValueError,
+         r"sm_scale: expected \|sm_scale\| <= 2.3\d+e\+38 \(fp32 logits\)"),
         (edit(cu_seqlens_q=lambda cu, c: cu - 1), ValueError, r"cu_seqlens_q: expected offsets from 0 to total_q=4"),
         (edit(seq_lens=lambda s, c: torch.ones_like(s) * 2), ValueError,
          r"seq_lens: request 0 has seq_len 2; expected 0 \(padding\) or between its 3 new tokens"),
@@ -758,7 +801,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mm3_compile.kernels.sparse_attn import kv_centric as kc
 
-kv_type, G, scale_mode, native = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+kv_type, G, scale_mode, native, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 target = GPUTarget("cuda", 90, 32)
 block_tok = kc.tile_tokens(G)
 block_h = max(triton.next_power_of_2(G), 16 // block_tok)
@@ -778,25 +821,34 @@ build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), 4)
 build(kc.kv_centric_attn_kernel,
       dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
            IS_FP8=kv_type != "*bf16", NATIVE_FP8=native, SCALE_MODE=scale_mode, DOT_FP32=False, FP8_MANT=3,
-           FP8_BIAS=7, FP8_FNUZ=False, FP8_HAS_INF=False),
-      dict(q_ptr="*bf16", kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-           partial_ptr="*bf16", lse_ptr="*fp32"),
+           FP8_BIAS=7, FP8_FNUZ=False, FP8_HAS_INF=False,
+           FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
+      dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+           partial_ptr=model, lse_ptr="*fp32"),
       ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), 4)
 build(kc.merge_slots_kernel, dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16),
-      dict(partial_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16"), (), 4)
+      dict(partial_ptr=model, lse_ptr="*fp32", out_ptr=model), (), 4)
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("kv_type, G, scale_mode, native", [("*bf16", 16, 0, 0), ("*fp8e4nv", 8, 1, 1), ("*u8", 16, 2, 0)])
-def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native):
+@pytest.mark.parametrize(
+    "kv_type, G, scale_mode, native, model",
+    [
+        ("*bf16", 16, 0, 0, "*bf16"),
+        ("*fp8e4nv", 8, 1, 1, "*bf16"),
+        ("*u8", 16, 2, 0, "*bf16"),
+        ("*fp8e4nv", 16, 1, 1, "*fp16"),  # scales folded (fp16 model)
+    ],
+)
+def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native, model):
     """The KV-centric prefill kernels compile for the H200 (the CPU tests run them in the interpreter)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [kv_type, str(G), str(scale_mode), str(native)]
+    args = [kv_type, str(G), str(scale_mode), str(native), model]
     result = subprocess.run([sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

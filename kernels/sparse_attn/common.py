@@ -218,11 +218,14 @@ def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
 
 @triton.jit
 def _packed_requests(cu_seqlens_ptr, num_reqs, tokens):
-    """Packed tokens (``cu_seqlens``) -> (request, query length, offset inside the request), all [R]."""
+    """Packed tokens (``cu_seqlens``) -> (request, query length, offset inside the request, whether the
+    token is inside it), all [R].  Tokens before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on belong
+    to no request (value checks off, the GPU default, let such tables through): they attend nothing."""
     req = _find_requests(cu_seqlens_ptr, num_reqs, tokens)
     q_start = tl.load(cu_seqlens_ptr + req)
     q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-    return req, q_len, tokens - q_start
+    offset = tokens - q_start
+    return req, q_len, offset, (offset >= 0) & (offset < q_len)
 
 
 @triton.jit
@@ -324,8 +327,8 @@ def sparse_attn_fwd_kernel(
     row_mask = token_ok & (head_in_group < G)
     token = tl.where(token_ok, token, 0)
     if VARLEN:
-        req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, token)
-        packed = token_ok & (offset < q_len)  # tokens past cu_seqlens[-1] see nothing (their rows are 0)
+        req, q_len, offset, inside = _packed_requests(cu_seqlens_ptr, num_reqs, token)
+        packed = token_ok & inside  # tokens outside every request see nothing (their rows are 0)
     else:
         req = token // q_per_req
         q_len = q_per_req

@@ -30,10 +30,13 @@ from 1.82 to 1.51 ms.
 
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
 traces into one graph.  Numerics per block: logits and their max in fp32, ``p = exp2(s * scale - m)``
-rounded to the model dtype before P.V (as the union walk), FP8 K/V dequantised with their scales to
-the model dtype once per run (the union walk and decode instead feed scalar-scaled FP8 to fp16
-dots, which the run's amortised conversion does not need).  Partials are stored in the model dtype
-(|o| <= max |V| up to P's rounding, so fp16 overflows only for |V| within 2^-11 of its maximum):
+rounded to the model dtype before P.V (as the union walk).  FP8 K/V are converted once per run: for
+a bf16 model dequantised with their scales (bf16 holds any fp32 magnitude); for an fp16 model with
+scalar or no scales, unscaled (every FP8 value fits fp16) with k_scale folded into the logit factor
+and v_scale into the output, so large scales cannot overflow fp16 (per-token-head scales are
+applied to the values, which must then fit the model dtype, as in every schedule).  Partials are
+stored in the model dtype (|o| <= max |V| up to P's rounding, so fp16 overflows only for |V| within
+2^-11 of its maximum):
 one more rounding per block than the union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64:
 max error 1.0e-3 vs 7.8e-4), at half the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for
 the whole op).
@@ -54,6 +57,7 @@ from mm3_compile.kernels.sparse_attn.common import (
     kernel_options,
     kv_launch_args,
 )
+from mm3_compile.ops._kv import SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,
@@ -95,8 +99,8 @@ def pair_keys_kernel(
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     token_ok = tokens < total_q
     tokens = tl.where(token_ok, tokens, 0)
-    req, q_len, offset = _packed_requests(cu_seqlens_ptr, num_reqs, tokens)
-    packed = token_ok & (offset < q_len)  # tokens past cu_seqlens[-1] count no slot (their rows are 0)
+    req, q_len, offset, inside = _packed_requests(cu_seqlens_ptr, num_reqs, tokens)
+    packed = token_ok & inside  # tokens outside every request count no slot (their rows are 0)
     pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_TOK] each
     slots = tl.arange(0, BLOCK_T)
     ids, _, valid = _select_slots(
@@ -145,8 +149,11 @@ def _attend_tile(
     p = p.to(P_DTYPE)
     if DOT_FP32:
         p = p.to(tl.float32)
-    o = tl.dot(p, v) * (1.0 / tl.where(l > 0.0, l, 1.0))[:, None]
-    lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+    # l == 0: no visible key, an empty slot.  A NaN l (logits beyond fp32) must reach the merge as NaN,
+    # as in the union walk and decode, not as an empty slot that would silently drop the block.
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    o = tl.dot(p, v) * (1.0 / l_safe)[:, None]
+    lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
     return o, lse
 
 
@@ -189,10 +196,18 @@ def kv_centric_attn_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
+    FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, scales folded
 ):  # fmt: skip
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    if FOLD_SCALES:
+        qk_scale = qk_scale * k_scale
     # A negative scale flips which logit is the max: flip K's sign instead (exact), once per run.
     negate_k = qk_scale < 0.0
     qk_scale = tl.abs(qk_scale)
@@ -205,11 +220,6 @@ def kv_centric_attn_kernel(
     head_in_group = rows % BLOCK_H
     offs = tl.arange(0, PAGE)
     dims = tl.arange(0, D)
-    k_scale = 1.0
-    v_scale = 1.0
-    if SCALE_MODE == 1:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
     run_first = tl.full([], 0, tl.int32)
     while run_first < counted:
         # the run starting at run_first: its key, and its length (sorted: all its pairs are in this run)
@@ -228,7 +238,7 @@ def kv_centric_attn_kernel(
             kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
             kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
             D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-            False,
+            FOLD_SCALES,
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         if negate_k:
             k = -k
@@ -263,6 +273,8 @@ def kv_centric_attn_kernel(
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             o, lse = _attend_tile(tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, MODEL_DTYPE, DOT_FP32)
+            if FOLD_SCALES:
+                o = o * v_scale
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
@@ -367,6 +379,7 @@ def sparse_attn_prefill_kv_centric(
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
+        FOLD_SCALES=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and q.dtype == torch.float16,
         **fp8_constants, **kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)

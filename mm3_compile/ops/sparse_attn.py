@@ -11,6 +11,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
+from mm3_compile.kernels.sparse_attn.common import LOG2E
 from mm3_compile.ops._checks import (
     check_cu_seqlens_values,
     check_finite,
@@ -25,11 +26,15 @@ from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
+# The kernels scale logits by sm_scale * log2(e) in fp32: a larger |sm_scale| would be inf there.
+MAX_SM_SCALE = torch.finfo(torch.float32).max / LOG2E
 
 
 def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale):
     """Validation shared by both ops; returns (typed cache view, FP8 format or None, scale mode)."""
     check_finite("sm_scale", sm_scale)
+    if abs(sm_scale) > MAX_SM_SCALE:
+        raise ValueError(f"sm_scale: expected |sm_scale| <= {MAX_SM_SCALE:.6g} (fp32 logits), got {sm_scale}")
     check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3)
     check_tensor("kv_cache", kv_cache, ndim=4)
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int32,), ndim=3)
