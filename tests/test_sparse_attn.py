@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches, size_hint
@@ -357,6 +358,35 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     q2 = torch.randn_like(case.q)
     ref2 = sparse_attn_decode_ref(q2, *case.decode_args()[1:6], case.storage_dtype)
     assert_close(run(q2), ref2, torch.bfloat16, f"second call, {num_splits} splits")
+
+
+def test_decode_lists_longer_than_the_repeat_matrix(device):
+    """Dense layers decode with every block of the table as their list: past 1024 slots the [T, T]
+    repeat matrix would exceed Triton's tensor limit, and the kernel reads the list slot by slot."""
+    case = build(device, [(300, 1), (0, 1), (700, 1)], D=64, Hkv=2, G=2, T=4, seed=5)
+    dense = torch.arange(1025, dtype=torch.int32, device=device)  # ids past the table or p // 128 are skipped
+    case = dataclasses.replace(case, topk_idx=dense.expand(2, 3, 1025))
+    out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.interpreter  # a compiled kernel keeps the constexpr it was built with
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_long_list_path(num_splits, device, monkeypatch):
+    """The slot-by-slot path for long lists, forced on short ones: invalid ids, repeats (the first
+    occurrence counts), a row with no valid slot, any split count, as the reference."""
+    monkeypatch.setenv("MM3_VALIDATE", "0")
+    monkeypatch.setattr(sparse_common, "MATRIX_DEDUP_SLOTS", triton.language.constexpr(2))
+    case = build(device, [(300, 1), (260, 1), (390, 1)], D=64, Hkv=2, G=2, corrupt=True, seed=3)
+    view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+    with eager_launches():
+        out = decode_kernels.sparse_attn_decode(
+            case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
+            num_splits=num_splits,
+        )  # fmt: skip
+    assert (out[0, :2] == 0).all()  # token 0, KV head 0: every slot invalid
+    assert_close(out, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
 
 
 def test_split_plan_fills_the_target_grid():

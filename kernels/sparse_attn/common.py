@@ -50,6 +50,9 @@ from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 PAGE = tl.constexpr(128)  # tokens per page == sparse block size
+# One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer
+# ones slot by slot (Triton tensors hold at most 2^20 elements).
+MATRIX_DEDUP_SLOTS = tl.constexpr(1024)
 
 
 @triton.jit
@@ -338,11 +341,13 @@ def sparse_attn_fwd_kernel(
 
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)
-    ids, pages, valid = _select_slots(
-        topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
-        stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
-    )  # [BLOCK_M, BLOCK_T] each  # fmt: skip
-    keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]
+    LONG_LIST: tl.constexpr = BLOCK_Q == 1 and BLOCK_T > MATRIX_DEDUP_SLOTS
+    if not LONG_LIST:
+        ids, pages, valid = _select_slots(
+            topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
+            stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
+        )  # [BLOCK_M, BLOCK_T] each  # fmt: skip
+        keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]
 
     dims = tl.arange(0, D)
     offs = tl.arange(0, PAGE)
@@ -376,7 +381,40 @@ def sparse_attn_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    if BLOCK_Q == 1:
+    if LONG_LIST:
+        # One token, a long list (dense layers pass every block of a wide table): the [BLOCK_T,
+        # BLOCK_T] repeat matrix below would pass Triton's 2^20-element limit, so the list is read once
+        # as a vector, each slot is compared with the earlier ones when the loop reaches it, and its
+        # page is read then (one dependent load per block, small next to the block's 32-64 KB).
+        tok_pos = tl.max(pos)
+        tok_req = tl.max(req)
+        tok_token = tl.max(token).to(tl.int64)
+        tok_seq_len = tl.load(seq_lens_ptr + tok_req)
+        tok_last_block = tl.max(last_block)
+        tok_n_slots = tl.max(n_slots)
+        list_ptr = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tok_token * stride_tkt
+        tok_ids = tl.load(list_ptr + slots * stride_tks, mask=slots < tok_n_slots, other=-1)  # [BLOCK_T]
+        slot_begin = split * blocks_per_split
+        slot_end = tl.minimum(slot_begin + blocks_per_split, tok_n_slots)
+        for slot in range(slot_begin, slot_end):
+            block = tl.load(list_ptr + slot * stride_tks)
+            repeat = tl.max(((tok_ids == block) & (slots < slot)).to(tl.int32)) > 0
+            id_ok = (block >= 0) & (block <= tok_last_block) & (block < max_blocks) & ~repeat
+            page = tl.load(block_table_ptr + tok_req.to(tl.int64) * stride_btr + tl.where(id_ok, block, 0) * stride_btb,
+                           mask=id_ok, other=-1).to(tl.int64)  # fmt: skip
+            slot_ok = id_ok & (page >= 0) & (page < num_blocks)
+            page = tl.where(slot_ok, page, 0)
+            key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions, -1: slot skipped
+            key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
+            visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
+            m, l, acc = _attend_block(
+                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
+                stride_vsh, stride_vss,
+                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+                FP16_DOTS,
+            )  # fmt: skip
+    elif BLOCK_Q == 1:
         # One token: walk its slots with a counted loop.  Every slot's page was resolved above, with
         # the list and the block table read once as vectors, so the loop's only memory traffic is
         # K/V, whose addresses come from registers: the software pipeliner can load block i + 1 while
