@@ -475,7 +475,7 @@ def test_zero_and_negative_softmax_scales(op, schedule, sm_scale, device):
 
 
 @OP_SCHEDULES
-@pytest.mark.parametrize("q_factor", [2.0**20, 2.0**-66])
+@pytest.mark.parametrize("q_factor", [2.0**20, 2.0**-66, 2.0**115, 2.0**-120])
 def test_fp8_queries_outside_fp16_range(op, schedule, q_factor, device):
     """FP8 attention runs its dots on fp16 operands: queries far beyond fp16's range (which would overflow)
     or below its normal range (which would flush) are rescaled by a power of two per row, so with
@@ -530,6 +530,45 @@ def test_prefill_fp8_large_scales_with_an_fp16_model(schedule, k_scale, v_scale,
     assert out.isfinite().all() and ref.to(torch.float16).isfinite().all()
     unit = 0.25 / v_scale  # build() quantised V for v_scale 0.25: back to unit-sized outputs
     assert_close(out * unit, ref * unit, torch.float16, f"k_scale {k_scale}, v_scale {v_scale}")
+
+
+@OP_SCHEDULES
+def test_fp8_logit_factor_beyond_fp32_on_the_way(op, schedule, device):
+    """sm_scale * k_scale may pass fp32 when the per-row power of two of a tiny q brings it back: the
+    fp16-dot paths form the logit factor sm_scale * k_scale / 2^shift in fp64 (the logits are huge
+    but finite, so the attention is one-hot and the reference's)."""
+    reqs = [(300, 6), (70, 3)] if op == "prefill" else [(260, 1), (129, 1), (700, 1)]
+    with platform.emulate("sm_90"):
+        case = build(device, reqs, spec="fp8", scale="scalar", Hkv=2, G=2)
+        case = dataclasses.replace(case, q=case.q * 2.0**-110, sm_scale=2.0**100,
+                                   k_scale=torch.tensor([2.0**30], device=device))  # fmt: skip
+        if op == "prefill":
+            out, ref = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference()
+        else:
+            out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+            ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(out, ref, torch.bfloat16, op)
+
+
+@pytest.mark.parametrize("model_dtype, v_scale", [(torch.bfloat16, 2.0**125), (torch.float16, 32768.0)])
+def test_decode_fp8_split_partials_are_unscaled(model_dtype, v_scale, device):
+    """A split's partial can exceed the model dtype's range once scaled by v_scale while the merged row
+    (a convex combination of the partials) does not: partials stay unscaled, the merger scales."""
+    with platform.emulate("sm_90"):
+        case = build(device, [(700, 1), (260, 1)], D=64, Hkv=1, G=4, spec="fp8", scale="scalar",
+                     model_dtype=model_dtype, seed=7)  # fmt: skip
+        case = dataclasses.replace(case, v_scale=torch.tensor([v_scale], device=device))
+        view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+        with eager_launches():
+            out = decode_kernels.sparse_attn_decode(
+                case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale,
+                case.k_scale, case.v_scale, 1, num_splits=4,
+            )  # fmt: skip
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    finite = ref.to(model_dtype).isfinite()
+    assert finite.all() and out.isfinite().all(), "the merged rows fit the model dtype"
+    unit = lambda t: (t.double() * (0.25 / v_scale)).to(model_dtype)  # noqa: E731  (build() quantised V for 0.25)
+    assert_close(unit(out), unit(ref), model_dtype, f"v_scale {v_scale}")
 
 
 @pytest.mark.parametrize("v_scale", [0.0, 2.0**-100, -0.75, 1.5 * 2.0**127])

@@ -363,16 +363,19 @@ def sparse_attn_fwd_kernel(
     if FP16_DOTS:
         # Scale each row by the power of two that brings its largest |q| into [2^14, 2^15): exact,
         # and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
-        # bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  Rows whose
-        # maximum is 0, inf or NaN keep scale 1.
+        # bits (smaller ones become fp16 subnormals, off by < 2^-38 of the maximum).  The shift
+        # spans fp32's normal exponents, which cover every bf16 maximum (a subnormal maximum below
+        # 2^-113 lands in [2^-6, 2^14), still normal in fp16).  Rows whose maximum is 0, inf or NaN
+        # keep scale 1.  The logit factor is formed in fp64: sm_scale * k_scale alone may pass fp32.
         q = q.to(tl.float32)
         row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
         max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         usable = (row_max > 0.0) & (row_max < float("inf"))
-        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -100), 100), 0)
+        shift = tl.where(usable, tl.minimum(tl.maximum(14 - max_exponent, -126), 127), 0)
         q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^shift
         q = (q * q_scale[:, None]).to(tl.float16)
-        qk_scale = (qk_scale * k_scale / q_scale)[:, None]  # [BLOCK_M, 1] logit factor per row
+        factor = qk_scale.to(tl.float64) * tl.cast(k_scale, tl.float64) / q_scale.to(tl.float64)
+        qk_scale = factor.to(tl.float32)[:, None]  # [BLOCK_M, 1] logit factor per row
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -480,8 +483,12 @@ def sparse_attn_fwd_kernel(
 
     has_keys = l > 0.0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    # FP16_DOTS: v_scale multiplies the normalised output (acc, a sum of up to T * 128 weighted values,
+    # could overflow); a split's partial stays unscaled (|o| <= max |FP8|) and the merger scales the
+    # merged row, which may fit the model dtype where one split's scaled partial would not.
+    o_out = o
     if FP16_DOTS:
-        o = o * v_scale  # after normalising: acc (a sum of up to T * 128 weighted values) could overflow
+        o_out = o * v_scale
     Hq = G * tl.num_programs(1)
     row_offset = token.to(tl.int64) * Hq + heads  # [BLOCK_M] (token, head) row of [total_q, Hq]
     out_ptrs = out_ptr + row_offset[:, None] * D + dims[None, :]
@@ -504,16 +511,22 @@ def sparse_attn_fwd_kernel(
                 # nothing else in this launch touches the counter, and the next launch starts after this
                 # one ends; acq_rel added a GPU-scope fence (~0.6 us on the merger's path, H200 stamps).
                 tl.atomic_xchg(counter, 0, sem="relaxed")
-                _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, D)
+                _merge_partials(
+                    partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, v_scale, D, FP16_DOTS
+                )  # fmt: skip
         else:
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+            tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
-def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, D: tl.constexpr):
-    """out = sum_c 2^lse_c o_c / sum_c 2^lse_c in one pass (running max); a row with no key in any split -> 0."""
+def _merge_partials(
+    partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, out_scale,
+    D: tl.constexpr, SCALE_OUT: tl.constexpr,
+):  # fmt: skip
+    """out = sum_c 2^lse_c o_c / sum_c 2^lse_c in one pass (running max), times ``out_scale`` if SCALE_OUT;
+    a row with no key in any split -> 0."""
     dims = tl.arange(0, D)
     lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
     weight_sum = tl.zeros(row_offset.shape, tl.float32)
@@ -531,6 +544,8 @@ def _merge_partials(partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_
         weight_sum = weight_sum * rescale + w
         lse_max = new_max
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    if SCALE_OUT:
+        out = out * out_scale
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
