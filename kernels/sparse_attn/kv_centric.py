@@ -149,11 +149,15 @@ def _attend_tile(
     p = p.to(P_DTYPE)
     if DOT_FP32:
         p = p.to(tl.float32)
-    # l == 0: no visible key, an empty slot.  A NaN l (logits beyond fp32) must reach the merge as NaN,
-    # as in the union walk and decode, not as an empty slot that would silently drop the block.
+    # l == 0: no visible key, an empty slot.  The FFMA s * scale - m uses the exact product while m was
+    # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
+    # r stays below 2^6 while |m| < 2^30, but beyond (logits far past any real attention, up to fp32's
+    # overflow) the weights become 0 or inf and the row would be silently wrong: such rows are NaN,
+    # like overflowing rows in the union walk and decode.
     l_safe = tl.where(l > 0.0, l, 1.0)
     o = tl.dot(p, v) * (1.0 / l_safe)[:, None]
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
+    lse = tl.where(tl.abs(m) < 2.0**30, lse, float("nan"))
     return o, lse
 
 
