@@ -244,6 +244,13 @@ def test_aot_eager_compiled_model_matches_reference_without_recompiles(kv_cache_
         _check_step(run, run.prefill, [3, 1, 4])
         _check_step(run, run.decode, [1, 1, 1])
     assert counters["stats"]["unique_graphs"] == 2
+    # The graphs hold the MXFP8 activation format of the platform they were traced for, unguarded:
+    # another (emulated) platform is refused before any kernel runs, and so is a ragged decode batch.
+    ids = torch.zeros(3, dtype=torch.long)
+    with platform.emulate("gfx942"), pytest.raises(RuntimeError, match="traced for platform 'cpu', called under"):
+        run.decode(ids, run.runtime.extend([1, 1, 1]), run.runtime.caches)
+    with pytest.raises(ValueError, match=r"the same number of new tokens for every request, got \[1, 2, 0\]"):
+        run.decode(ids, run.runtime.extend([1, 2, 0]), run.runtime.caches)
 
 
 @pytest.mark.interpreter
@@ -256,6 +263,37 @@ def test_inductor_compiled_model_matches_reference_fp8():
         _start(run, [270])  # one request: batch 1 and a 3-token chunk share the graphs (no 0/1 specialisation)
         _check_step(run, run.prefill, [3])
         _check_step(run, run.decode, [1])
+
+
+def test_ragged_decode_batches_are_refused():
+    """Decode attention maps token b to request b // q_per_req: a batch whose requests got different
+    numbers of new tokens would attend other requests' keys, so the model refuses it (eager here; the
+    compiled wrapper in the aot_eager test above)."""
+    model = build_model(MiniMaxM3Config.tiny(), state=random_full_state(MiniMaxM3Config.tiny(), 0))
+    runtime = PagedKVRuntime(model, num_blocks=8, max_blocks_per_request=3)
+    runtime.add_prompts([3, 5])
+    with pytest.raises(ValueError, match=r"got \[1, 3\]; run ragged batches through prefill"):
+        model.decode(torch.zeros(4, dtype=torch.long), runtime.extend([1, 3]), runtime.caches)
+
+
+def test_refused_runtime_steps_change_nothing():
+    """A step past max_blocks_per_request or the free pages is refused before any request grows, so
+    the runtime keeps working; malformed q_lens are refused too."""
+    model = build_model(MiniMaxM3Config.tiny(), state=random_full_state(MiniMaxM3Config.tiny(), 0))
+    runtime = PagedKVRuntime(model, num_blocks=6, max_blocks_per_request=4)
+    runtime.add_prompts([200, 300])  # 2 + 3 pages, 1 free
+    before = (list(runtime.seq_lens), [list(t) for t in runtime.block_tables], list(runtime.free_pages))
+    with pytest.raises(ValueError, match="request 1 needs 5 blocks for 600 tokens, more than max_blocks_per_request"):
+        runtime.extend([100, 300])  # request 0 would take a page before request 1 is refused
+    with pytest.raises(RuntimeError, match="out of KV pages: the step needs 3, 1 are free"):
+        runtime.extend([200, 100])
+    with pytest.raises(ValueError, match=r"q_lens: expected one entry per running request \(2\), got 1"):
+        runtime.extend([1])
+    with pytest.raises(ValueError, match="q_lens: expected counts >= 0"):
+        runtime.extend([-1, 1])
+    assert (list(runtime.seq_lens), [list(t) for t in runtime.block_tables], list(runtime.free_pages)) == before
+    meta = runtime.extend([1, 0])
+    assert runtime.seq_lens == [201, 300] and meta.cu_seqlens_q.tolist() == [0, 1, 1]
 
 
 @pytest.mark.interpreter

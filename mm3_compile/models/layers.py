@@ -454,7 +454,25 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches):
         """Uniform decode: the same number of new tokens (usually 1) for every request."""
+        if not torch.compiler.is_compiling():
+            check_uniform_decode(meta)
         return self._forward(input_ids, meta, caches, decode=True)
+
+
+def check_uniform_decode(meta: AttentionMetadata) -> None:
+    """Decode attention maps token b to request b // q_per_req (the op takes no cu_seqlens_q): a ragged
+    batch would attend the wrong requests' keys, so it is refused when index values are checked
+    (CPU tensors, or MM3_VALIDATE=1; one device sync on a GPU)."""
+    from mm3_compile.ops._checks import values_checked
+
+    if not values_checked(meta.cu_seqlens_q):
+        return
+    q_lens = meta.cu_seqlens_q.diff().tolist()
+    if len(set(q_lens)) > 1:
+        raise ValueError(
+            f"meta: decode needs the same number of new tokens for every request, got {q_lens}; "
+            "run ragged batches through prefill"
+        )
 
 
 def random_full_state(config: MiniMaxM3Config, seed: int, dtype=torch.bfloat16, device="cpu") -> dict:

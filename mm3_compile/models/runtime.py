@@ -18,7 +18,13 @@ import torch
 from mm3_compile.lowerings import dynamic_shapes
 
 from mm3_compile import platform
-from mm3_compile.models.layers import PAGE_SIZE, AttentionMetadata, MiniMaxM3ForCausalLM, write_index_cache
+from mm3_compile.models.layers import (
+    PAGE_SIZE,
+    AttentionMetadata,
+    MiniMaxM3ForCausalLM,
+    check_uniform_decode,
+    write_index_cache,
+)
 
 
 class PagedKVRuntime:
@@ -70,15 +76,7 @@ class PagedKVRuntime:
                 index.zero_()
 
     def _grow(self, r: int, new_len: int) -> None:
-        needed = -(-new_len // PAGE_SIZE)
-        if needed > self.max_blocks_per_request:
-            raise ValueError(
-                f"request {r} needs {needed} blocks for {new_len} tokens, more than max_blocks_per_request="
-                f"{self.max_blocks_per_request}"
-            )
-        while len(self.block_tables[r]) < needed:
-            if not self.free_pages:
-                raise RuntimeError(f"out of KV pages (num_blocks={self.num_blocks})")
+        while len(self.block_tables[r]) < -(-new_len // PAGE_SIZE):
             self.block_tables[r].append(self.free_pages.pop())
 
     def _metadata(self, q_lens: Sequence[int]) -> AttentionMetadata:
@@ -112,10 +110,33 @@ class PagedKVRuntime:
         self.seq_lens = [0] * num_requests
 
     def extend(self, q_lens: Sequence[int]) -> AttentionMetadata:
-        """Append ``q_lens[r]`` tokens to request r (prefill chunk or decode); metadata for that step."""
-        for r, q_len in enumerate(q_lens):
-            self.seq_lens[r] += q_len
-            self._grow(r, self.seq_lens[r])
+        """Append ``q_lens[r]`` tokens to request r (prefill chunk or decode); metadata for that step.
+
+        Everything is checked before anything changes: a refused step leaves the runtime as it was."""
+        if len(q_lens) != len(self.seq_lens):
+            raise ValueError(
+                f"q_lens: expected one entry per running request ({len(self.seq_lens)}), got {len(q_lens)}"
+            )
+        if any(q_len < 0 for q_len in q_lens):
+            raise ValueError(f"q_lens: expected counts >= 0, got {list(q_lens)}")
+        new_lens = [seq_len + q_len for seq_len, q_len in zip(self.seq_lens, q_lens)]
+        new_pages = 0
+        for r, new_len in enumerate(new_lens):
+            needed = -(-new_len // PAGE_SIZE)
+            if needed > self.max_blocks_per_request:
+                raise ValueError(
+                    f"request {r} needs {needed} blocks for {new_len} tokens, more than max_blocks_per_request="
+                    f"{self.max_blocks_per_request}"
+                )
+            new_pages += max(0, needed - len(self.block_tables[r]))
+        if new_pages > len(self.free_pages):
+            raise RuntimeError(
+                f"out of KV pages: the step needs {new_pages}, {len(self.free_pages)} are free "
+                f"(num_blocks={self.num_blocks})"
+            )
+        for r, new_len in enumerate(new_lens):
+            self.seq_lens[r] = new_len
+            self._grow(r, new_len)
         return self._metadata(q_lens)
 
     def add_prompts(self, prompt_lens: Sequence[int]) -> AttentionMetadata:
@@ -183,8 +204,21 @@ def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwar
     """(prefill, decode) callables compiled with ``fullgraph=True``: one graph each, no recompiles when token
     or request counts change (the token dim of ``input_ids`` is marked dynamic like the metadata's)."""
 
-    def dynamic_tokens(compiled):
+    def dynamic_tokens(compiled, check=None):
+        traced_for = []
+
         def call(input_ids, meta, caches):
+            # Graphs bake in the FP8 formats (MXFP8 activations) of the platform they were traced for,
+            # and nothing guards on them: refuse a call under another (real or emulated) platform.
+            current = platform.platform_for(input_ids.device)
+            if traced_for and traced_for[0] != current:
+                raise RuntimeError(
+                    f"compiled model: traced for platform {traced_for[0].target!r}, called under {current.target!r} "
+                    "(platform.emulate changed); compile again for it"
+                )
+            traced_for[:] = [current]
+            if check is not None:
+                check(meta)
             torch._dynamo.maybe_mark_dynamic(input_ids, 0)
             with dynamic_shapes():  # batch 1 / 1-token prefills share the graph too (no 0/1 specialisation)
                 return compiled(input_ids, meta, caches)
@@ -194,7 +228,7 @@ def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwar
     options = dict(fullgraph=True, backend=backend, **kwargs)
     prefill = torch.compile(model.prefill, **options)
     decode = torch.compile(model.decode, **options)
-    return dynamic_tokens(prefill), dynamic_tokens(decode)
+    return dynamic_tokens(prefill), dynamic_tokens(decode, check_uniform_decode)
 
 
 def run_demo_workload(
