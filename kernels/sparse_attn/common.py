@@ -207,6 +207,17 @@ def _attend_block(
 
 
 @triton.jit
+def _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE: tl.constexpr):
+    """(k_scale, v_scale): the fp32 scalars in scale mode 1, else 1.0 (mode 2 reads them per key)."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if SCALE_MODE == 1:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
     """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
     lo = tl.zeros(tokens.shape, tl.int32)
@@ -355,11 +366,7 @@ def sparse_attn_fwd_kernel(
     q_ptrs = q_ptr + token[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
 
-    k_scale = 1.0
-    v_scale = 1.0
-    if SCALE_MODE == 1:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    k_scale, v_scale = _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     if FP16_DOTS:
         # Scale each row by the power of two that brings its largest |q| into [2^14, 2^15): exact,
         # and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
@@ -384,59 +391,46 @@ def sparse_attn_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    if LONG_LIST:
-        # One token, a long list (dense layers pass every block of a wide table): the [BLOCK_T,
-        # BLOCK_T] repeat matrix below would pass Triton's 2^20-element limit, so the list is read once
-        # as a vector, each slot is compared with the earlier ones when the loop reaches it, and its
-        # page is read then (one dependent load per block, small next to the block's 32-64 KB).
-        tok_pos = tl.max(pos)
-        tok_req = tl.max(req)
-        tok_token = tl.max(token).to(tl.int64)
-        tok_seq_len = tl.load(seq_lens_ptr + tok_req)
-        tok_last_block = tl.max(last_block)
-        tok_n_slots = tl.max(n_slots)
-        list_ptr = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tok_token * stride_tkt
-        tok_ids = tl.load(list_ptr + slots * stride_tks, mask=slots < tok_n_slots, other=-1)  # [BLOCK_T]
-        slot_begin = split * blocks_per_split
-        slot_end = tl.minimum(slot_begin + blocks_per_split, tok_n_slots)
-        for slot in range(slot_begin, slot_end):
-            block = tl.load(list_ptr + slot * stride_tks)
-            repeat = tl.max(((tok_ids == block) & (slots < slot)).to(tl.int32)) > 0
-            id_ok = (block >= 0) & (block <= tok_last_block) & (block < max_blocks) & ~repeat
-            page = tl.load(block_table_ptr + tok_req.to(tl.int64) * stride_btr + tl.where(id_ok, block, 0) * stride_btb,
-                           mask=id_ok, other=-1).to(tl.int64)  # fmt: skip
-            slot_ok = id_ok & (page >= 0) & (page < num_blocks)
-            page = tl.where(slot_ok, page, 0)
-            key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions, -1: slot skipped
-            key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
-            visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
-            m, l, acc = _attend_block(
-                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
-                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
-                stride_vsh, stride_vss,
-                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
-                FP16_DOTS,
-            )  # fmt: skip
-    elif BLOCK_Q == 1:
+    if BLOCK_Q == 1:
         # One token: walk its slots with a counted loop.  Every slot's page was resolved above, with
         # the list and the block table read once as vectors, so the loop's only memory traffic is
         # K/V, whose addresses come from registers: the software pipeliner can load block i + 1 while
         # block i is computed (per-slot id -> block-table loads made each step wait on two dependent
         # latencies before its K/V copy could even start).  A slot counts if valid and no earlier
         # slot names the same block.  Split c owns slots [c * blocks_per_split, (c + 1) * blocks_per_split).
+        # A long list (LONG_LIST: dense layers pass every block of a wide table) would need a
+        # [BLOCK_T, BLOCK_T] repeat matrix past Triton's 2^20-element limit: it is read once as a
+        # vector, each slot is compared with the earlier ones when the loop reaches it, and its page
+        # is read then (one dependent load per block, small next to the block's 32-64 KB).
         tok_pos = tl.max(pos)
         tok_req = tl.max(req)
         tok_seq_len = tl.load(seq_lens_ptr + tok_req)
-        tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
-        tok_pages = tl.max(tl.where(valid, pages, -1), axis=0)  # [BLOCK_T], -1: slot skipped
-        earlier = slots[None, :] < slots[:, None]  # [BLOCK_T, BLOCK_T]: slot s' comes before slot s
-        repeat = tl.max(((tok_ids[None, :] == tok_ids[:, None]) & earlier).to(tl.int32), axis=1) > 0
-        # (page, block) of each slot in one int64: the loop picks its slot with a single reduction
-        slot_keys = tl.where((tok_pages >= 0) & ~repeat, (tok_pages.to(tl.int64) << 32) | tok_ids.to(tl.int64), -1)
+        if LONG_LIST:
+            tok_last_block = tl.max(last_block)
+            list_ptr = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tl.max(token).to(tl.int64) * stride_tkt
+            tok_ids = tl.load(list_ptr + slots * stride_tks, mask=slots < tl.max(n_slots), other=-1)  # [BLOCK_T]
+        else:
+            tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
+            tok_pages = tl.max(tl.where(valid, pages, -1), axis=0)  # [BLOCK_T], -1: slot skipped
+            earlier = slots[None, :] < slots[:, None]  # [BLOCK_T, BLOCK_T]: slot s' comes before slot s
+            repeat = tl.max(((tok_ids[None, :] == tok_ids[:, None]) & earlier).to(tl.int32), axis=1) > 0
+            # (page, block) of each slot in one int64: the loop picks its slot with a single reduction
+            slot_keys = tl.where((tok_pages >= 0) & ~repeat, (tok_pages.to(tl.int64) << 32) | tok_ids.to(tl.int64), -1)
         slot_begin = split * blocks_per_split
         slot_end = tl.minimum(slot_begin + blocks_per_split, tl.max(n_slots))
         for slot in range(slot_begin, slot_end):
-            slot_key = tl.max(tl.where(slots == slot, slot_keys, -1))
+            if LONG_LIST:
+                listed = tl.load(list_ptr + slot * stride_tks)
+                repeat = tl.max(((tok_ids == listed) & (slots < slot)).to(tl.int32)) > 0
+                id_ok = (listed >= 0) & (listed <= tok_last_block) & (listed < max_blocks) & ~repeat
+                listed_page = tl.load(
+                    block_table_ptr + tok_req.to(tl.int64) * stride_btr + tl.where(id_ok, listed, 0) * stride_btb,
+                    mask=id_ok, other=-1,
+                )  # fmt: skip
+                listed_ok = id_ok & (listed_page >= 0) & (listed_page < num_blocks)
+                slot_key = tl.where(listed_ok, (listed_page.to(tl.int64) << 32) | listed.to(tl.int64), -1)
+            else:
+                slot_key = tl.max(tl.where(slots == slot, slot_keys, -1))
             slot_ok = slot_key >= 0
             page = tl.where(slot_ok, slot_key >> 32, 0)
             block = (slot_key & 0x7FFFFFFF).to(tl.int32)

@@ -52,6 +52,7 @@ from mm3_compile.kernels.sparse_attn.common import (
     PAGE,
     _load_block,
     _packed_requests,
+    _scalar_scales,
     _select_slots,
     _slot_window,
     kernel_options,
@@ -205,11 +206,7 @@ def kv_centric_attn_kernel(
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
-    k_scale = 1.0
-    v_scale = 1.0
-    if SCALE_MODE == 1:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+    k_scale, v_scale = _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     if FOLD_SCALES:
         qk_scale = qk_scale * k_scale
     # A negative scale flips which logit is the max: flip K's sign instead (exact), once per run.
