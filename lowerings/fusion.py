@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import operator
 
 import torch
@@ -29,6 +30,7 @@ from torch._inductor.pattern_matcher import (
     KeywordArg,
     is_match,
 )
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mm3_compile import platform
 from mm3_compile.lowerings.decompose import kernels_traceable, trace_body
@@ -36,6 +38,8 @@ from mm3_compile.ops import quant
 
 aten, prims = torch.ops.aten, torch.ops.prims
 SCALARS = (int, float)
+# What the fused op accepts for gate_up (its reference upcasts to fp32 first).
+FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _swiglu_quant_pattern(upcast: bool, clamped: bool):
@@ -64,17 +68,32 @@ def _swiglu_quant_pattern(upcast: bool, clamped: bool):
     return CallFunction(torch.ops.mm3.mxfp8_quantize.default, act, _users=MULTIPLE)
 
 
-def _is_swiglu_of_gate_up(match) -> bool:
+def _is_swiglu_of_gate_up(match, upcast: bool) -> bool:
+    """The match computes exactly what the fused op does, and the fused op accepts its arguments.
+
+    The fused op computes in fp32: without an explicit upcast the user's formula runs in gate_up's
+    own dtype, so only fp32 gate_up matches then (fp16 / bf16 products round and overflow
+    differently).  Arguments the fused op would refuse (fp64 input, a negative limit, non-finite
+    alpha / beta) leave the graph as the user wrote it.  ``half`` may be symbolic (dynamic shapes).
+    """
     kw = match.kwargs
     gate_up = kw["gate_up"].meta["val"]
-    if not all(isinstance(kw[name], SCALARS) for name in ("half", "dim", "alpha", "beta")):
+    if gate_up.dtype not in (FUSED_INPUT_DTYPES if upcast else (torch.float32,)):
         return False
-    if kw["dim"] not in (-1, gate_up.dim() - 1) or 2 * kw["half"] != gate_up.shape[-1]:
+    if not isinstance(kw["half"], (int, torch.SymInt)) or not isinstance(kw["dim"], int):
+        return False
+    if kw["dim"] not in (-1, gate_up.dim() - 1) or not statically_known_true(2 * kw["half"] == gate_up.shape[-1]):
+        return False
+    if not all(isinstance(kw[name], SCALARS) and math.isfinite(kw[name]) for name in ("alpha", "beta")):
         return False
     if "limit" not in kw:
         return True
     limits = (kw["limit"], kw["up_limit"], kw["neg_limit"])
-    return all(isinstance(v, SCALARS) for v in limits) and kw["limit"] == kw["up_limit"] == -kw["neg_limit"]
+    return (
+        all(isinstance(v, SCALARS) for v in limits)
+        and kw["limit"] == kw["up_limit"] == -kw["neg_limit"]
+        and kw["limit"] >= 0
+    )
 
 
 def _fuse(match, gate_up, alpha, beta, limit=None, **_) -> None:
@@ -106,7 +125,7 @@ def _decompose(opdef):
 def _rewrites() -> list[tuple[object, object, object]]:
     """(pattern, extra check, handler), tried in order; built on first use."""
     rewrites = [
-        (_swiglu_quant_pattern(upcast, clamped), _is_swiglu_of_gate_up, _fuse)
+        (_swiglu_quant_pattern(upcast, clamped), functools.partial(_is_swiglu_of_gate_up, upcast=upcast), _fuse)
         for upcast in (True, False)
         for clamped in (True, False)
     ]
@@ -146,5 +165,10 @@ def fusion_installed() -> bool:
 
 
 def compile_options() -> dict:
-    """``torch.compile(model, options=mm3_compile.compile_options())``: fusion + platform-keyed cache."""
-    return {"post_grad_custom_post_pass": Mm3PostGradPass()}
+    """``torch.compile(model, options=mm3_compile.compile_options())``: fusion + platform-keyed cache.
+
+    Empty outside the torch versions the lowerings were checked on (``lowerings.supported``), like
+    the lowerings themselves: the pass rewrites through Inductor internals."""
+    from mm3_compile.lowerings import supported
+
+    return {"post_grad_custom_post_pass": Mm3PostGradPass()} if supported() else {}

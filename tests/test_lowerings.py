@@ -92,6 +92,65 @@ def test_fusion_pass_rewrites_unfused_swiglu(dtype, device):
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3  # sigmoid's last ulp, as in test_quant
 
 
+def test_fusion_pass_with_a_dynamic_token_dim(device):
+    """Serving code compiles with a dynamic token dim (the hidden size stays static): the activation
+    still fuses.  (With every dim dynamic, ``dynamic=True``, chunk's split point (s + 1) // 2 is not
+    provably half of s, so the pass leaves the user's formula.)"""
+    torch._dynamo.reset()
+    compiled = torch.compile(unfused_moe_activation, fullgraph=True, options=mm3_compile.compile_options())
+    gate_up = (torch.randn(5, 128) * 4).to(device)
+    torch._dynamo.mark_dynamic(gate_up, 0)
+    with mm3_compile.dynamic_shapes():
+        (values, scales), (code,) = torch._inductor.utils.run_and_get_code(compiled, gate_up)
+    assert "swiglu_oai_mxfp8" in code
+    fused_values, fused_scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+    assert torch.equal(values.view(torch.uint8), fused_values.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), fused_scales.view(torch.uint8))
+
+
+def _half_precision_formula(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)  # no upcast: the user's formula runs in fp16
+    return torch.ops.mm3.mxfp8_quantize(gate * torch.sigmoid(1.702 * gate) * (up + 1.0))
+
+
+def _negative_limit(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=-1.0)
+    return torch.ops.mm3.mxfp8_quantize(gate * torch.sigmoid(1.702 * gate) * (up.clamp(1.0, -1.0) + 1.0))
+
+
+@pytest.mark.parametrize(
+    "formula, dtype, fused",
+    [
+        (_half_precision_formula, torch.float16, False),
+        (_negative_limit, torch.float32, False),
+        (unfused_moe_activation, torch.float64, True),  # fused on the fp32 upcast, which it accepts
+    ],
+)
+def test_fusion_pass_keeps_what_the_fused_op_would_compute_differently(formula, dtype, fused, device):
+    """The fused op computes in fp32 and refuses negative limits: an fp16 formula without an upcast
+    (whose products overflow where fp32's do not) and a negative limit stay as written; every case
+    compiles to the user's computation."""
+    torch._dynamo.reset()
+    gate_up = torch.ones(1, 64, dtype=dtype, device=device)
+    gate_up[0, 0] = gate_up[0, 32] = 300  # 300 * 300 overflows fp16
+    compiled = torch.compile(formula, fullgraph=True, options=mm3_compile.compile_options())
+    (values, scales), (code,) = torch._inductor.utils.run_and_get_code(compiled, gate_up)
+    assert ("swiglu_oai_mxfp8" in code) == fused  # the op on CPU, its kernel on a GPU
+    eager_values, eager_scales = formula(gate_up)
+    assert torch.equal(scales.view(torch.uint8), eager_scales.view(torch.uint8))
+    diff = (values.view(torch.uint8).int() - eager_values.view(torch.uint8).int()).abs()
+    assert diff.max() <= 1  # Inductor's fused sigmoid vs eager's: the last ulp may round either way
+
+
+def test_fusion_pass_only_on_checked_torch_versions(monkeypatch):
+    """Like the lowerings, the pass rewrites through Inductor internals: unknown torch versions get none."""
+    from mm3_compile import lowerings
+
+    monkeypatch.setattr(lowerings, "torch_version", lambda: (2, 99))
+    assert mm3_compile.compile_options() == {}
+
+
 def test_fusion_pass_leaves_other_activations_alone(device):
     torch._dynamo.reset()
 
