@@ -11,6 +11,7 @@ import math
 import torch
 
 from bench.harness import Check, Context
+from bench.inputs import MAX_SETS
 from bench.refs import find_function
 from mm3_compile import platform
 
@@ -58,7 +59,7 @@ def run(ctx: Context, passes=("ours", "baselines")) -> None:
     for pass_name in passes:
         for M in Ms:
             set_bytes = M * 2 * inter * 2 + M * inter + M * inter // 32
-            n_sets = 1 if not ctx.cuda else max(1, min(64, math.ceil(4 * ctx.l2_bytes / set_bytes)))
+            n_sets = 1 if not ctx.cuda else max(1, min(MAX_SETS, math.ceil(4 * ctx.l2_bytes / set_bytes)))
             gen = torch.Generator(device=device).manual_seed(M)
             sets = [
                 2.0 * torch.randn((M, 2 * inter), dtype=torch.bfloat16, device=device, generator=gen)

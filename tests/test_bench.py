@@ -140,11 +140,17 @@ def _row(**kw):
     return row
 
 
+def _full_b1_rows(us):
+    """One graph row per decode B1 shape of a full run, each taking ``us``."""
+    shapes = [(shape, kv) for shape, kv in report._full_run_shapes("decode") if report._batch(shape) == 1]
+    return [_row(shape=shape, kv_dtype=kv, ms=us / 1e3, us=us) for shape, kv in shapes if "s32768" in shape]
+
+
 def test_targets_pass_fail_and_missing():
     rows = [
         _row(pct_of_ceiling=90.0),
         _row(shape="TP8 B32 s32768", pct_of_ceiling=80.0),  # below 85%: the bf16 decode target fails
-        _row(shape="TP1 B1 s32768", ms=0.005, us=5.0),
+        *_full_b1_rows(5.0),
         _row(family="prefill", shape="TP1 1x8192", mode="launched", tflops=250.0, ms=2.0),
         _row(family="prefill", shape="TP1 1x8192", mode="launched", kv_dtype="fp8", tflops=260.0, ms=1.9),
     ]
@@ -152,12 +158,29 @@ def test_targets_pass_fail_and_missing():
     assert results["decode bf16 KV, B>=32, TP1+TP8 (graph)"] == "FAIL"
     assert results["decode B=1 seq 32768 (graph)"] == "PASS"
     assert results["prefill bf16 TP1 1x8192"] == "PASS"
-    assert results["prefill fp8 KV"] == "PASS"
+    assert results["prefill fp8 KV"] == "MISSING"  # passes on TP1 1x8192, but three fp8 shapes have no rows
     assert results["prefill bf16 TP8 1x8192 and 4x2048+16k"] == "MISSING"
     rows[0]["correct"] = False  # a fast but wrong kernel never passes
     rows[1]["pct_of_ceiling"] = 95.0
     results = {name: status for name, _, _, status in report.targets(rows)}
     assert results["decode bf16 KV, B>=32, TP1+TP8 (graph)"] == "FAIL"
+
+
+def test_targets_never_pass_on_partial_wrong_or_stale_rows():
+    b1 = _full_b1_rows(5.0)
+    assert {name: st for name, _, _, st in report.targets(b1)}["decode B=1 seq 32768 (graph)"] == "PASS"
+    # a shape skipped by the time budget
+    assert {name: st for name, _, _, st in report.targets(b1[1:])}["decode B=1 seq 32768 (graph)"] == "MISSING"
+    # the slower of our two providers is wrong: the faster correct one does not hide it
+    wrong = [dict(b1[0], provider="op_compiled", ms=0.006, us=6.0, correct=False)]
+    assert {name: st for name, _, _, st in report.targets(b1 + wrong)}["decode B=1 seq 32768 (graph)"] == "FAIL"
+    # one of our providers errored on a covered shape
+    crashed = [dict(b1[0], provider="op_compiled", ms=None, us=None, error="capture failed")]
+    assert {name: st for name, _, _, st in report.targets(b1 + crashed)}["decode B=1 seq 32768 (graph)"] == "FAIL"
+    # a merged CSV: an older run's faster row does not mask the newest run's figure
+    newer = [dict(r, timestamp="2026-11-30T09:00:00Z", us=7.0, ms=0.007) for r in b1]
+    older = [dict(r, timestamp="2026-11-29T09:00:00Z") for r in b1]
+    assert {name: st for name, _, _, st in report.targets(older + newer)}["decode B=1 seq 32768 (graph)"] == "FAIL"
 
 
 def test_synthetic_topk_lists_and_flop_count():
@@ -184,3 +207,10 @@ def test_synthetic_topk_lists_and_flop_count():
         for t, p in enumerate(pos.tolist()):
             blocks = [b for b in ids[h, t].tolist() if b >= 0]
             assert keys[h, t] == sum(1 for b in blocks for j in range(b * 128, b * 128 + 128) if j <= p)
+
+
+def test_attended_keys_count_a_repeated_block_once():
+    """The contract's slot rule: a block listed twice is attended once (own block 3 sees keys 384..394,
+    block 1 all 128; block 7 lies past p // 128)."""
+    ids = torch.tensor([[[3, 3, 1, -1, 7]]], dtype=torch.int32)
+    assert bench_inputs.attended_keys(ids, torch.tensor([394]), torch.tensor([395])).tolist() == [[11 + 128]]
