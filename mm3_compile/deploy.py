@@ -41,28 +41,59 @@ def check_platform(metadata: dict[str, str], device: torch.device | str) -> None
 
 
 def package(exported: torch.export.ExportedProgram, path: str | os.PathLike, device: torch.device | str, **inductor_configs) -> str:
-    """``aoti_compile_and_package`` with the platform of ``device`` recorded in the package metadata."""
+    """``aoti_compile_and_package`` with the platform of ``device`` recorded in the package metadata.
+
+    ``device`` must be the one the program was exported on: its kernels are compiled for it."""
+    device = torch.device(device)
+    traced_on = {
+        node.meta["val"].device.type
+        for node in exported.graph.nodes
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
+    }
+    if traced_on and traced_on != {device.type}:
+        raise ValueError(f"device: the program was exported on {sorted(traced_on)} tensors, got device {device}")
     metadata = {**inductor_configs.pop("aot_inductor.metadata", {}), **platform_stamp(device)}
     return torch._inductor.aoti_compile_and_package(
         exported, package_path=os.fspath(path), inductor_configs={"aot_inductor.metadata": metadata, **inductor_configs}
     )
 
 
-def package_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The metadata an AOTInductor package records, read from the archive without loading its library."""
-    with zipfile.ZipFile(path) as archive:
-        names = sorted((n for n in archive.namelist() if n.endswith("metadata.json")), key=lambda n: "wrapper" not in n)
-        if not names:
-            raise ValueError(f"{os.fspath(path)}: not an AOTInductor package (no *metadata.json in the archive)")
-        return json.loads(archive.read(names[0]))
+def package_metadata(path: str | os.PathLike, model_name: str = "model") -> dict[str, str]:
+    """The metadata AOTInductor recorded for ``model_name`` in a package, read without loading its library."""
+    where = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            folder = f"data/aotinductor/{model_name}/"
+            names = sorted(
+                (n for n in archive.namelist() if folder in n and n.endswith("metadata.json")),
+                key=lambda n: "wrapper" not in n,
+            )
+            if not names:
+                raise ValueError(
+                    f"{where}: no AOTInductor model {model_name!r} (no data/aotinductor/{model_name}/*metadata.json)"
+                )
+            text = archive.read(names[0])
+    except zipfile.BadZipFile:
+        raise ValueError(f"{where}: not a zip archive (an AOTInductor .pt2 package)") from None
+    try:
+        metadata = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: {names[0]} is not valid JSON ({e})") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{where}: {names[0]} holds a {type(metadata).__name__}, expected a JSON object")
+    return metadata
 
 
 def load(path: str | os.PathLike, device: torch.device | str | None = None):
-    """Load an AOTInductor package after checking its platform stamp against ``device``.
+    """Load an AOTInductor package's model ``model`` (what ``aoti_load_package`` loads) after checking
+    its platform stamp against ``device`` (default: the device type it was compiled for).
 
     The stamp is checked before the package's library is loaded: a refused package never runs code.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_platform(package_metadata(path), device)
-    return torch._inductor.aoti_load_package(os.fspath(path))
+    metadata = package_metadata(path, "model")
+    device = torch.device(device if device is not None else metadata.get("AOTI_DEVICE_KEY", "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device}: the package runs on a GPU and none is available here")
+    check_platform(metadata, device)
+    index = device.index if device.index is not None else -1
+    return torch._inductor.aoti_load_package(os.fspath(path), device_index=index)

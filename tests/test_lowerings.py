@@ -4,6 +4,7 @@ On the CPU Inductor calls the ops (their kernels run in the Triton interpreter);
 generated code must contain our Triton kernels instead of calls of the ops.
 """
 
+import json
 import re
 import zipfile
 
@@ -223,10 +224,24 @@ def test_deploy_package_stamp_is_checked_before_loading(tmp_path):
         deploy.load(path, "cpu")
     with platform.emulate("gfx942"):
         torch.testing.assert_close(deploy.load(path, "cpu")(x), AtenOnly()(x))
-    with pytest.raises(ValueError, match="not an AOTInductor package"):
+        torch.testing.assert_close(deploy.load(path)(x), AtenOnly()(x))  # default: the package's own device
+    with pytest.raises(ValueError, match="no AOTInductor model 'model'"):
         with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:
             archive.writestr("model/weights.bin", b"")
         deploy.package_metadata(tmp_path / "other.zip")
+    # Only the loaded model's stamp counts: another model's (here first in the archive) is not read.
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp_path / "two.pt2", "w") as dst:
+        prefix = src.namelist()[0].split("/")[0]
+        dst.writestr(f"{prefix}/data/aotinductor/aaa/a_wrapper_metadata.json", json.dumps(deploy.platform_stamp("cpu")))
+        for name in src.namelist():
+            dst.writestr(name, src.read(name))
+    with platform.emulate("sm_90"), pytest.raises(RuntimeError, match="traced for platform gfx942"):
+        deploy.load(tmp_path / "two.pt2", "cpu")
+    (tmp_path / "text.pt2").write_text("not a package")
+    with pytest.raises(ValueError, match=r"text.pt2: not a zip archive"):
+        deploy.load(tmp_path / "text.pt2")
+    with pytest.raises(ValueError, match=r"device: the program was exported on \['cpu'\] tensors, got device meta"):
+        deploy.package(exported, tmp_path / "meta.pt2", "meta")
 
 
 # ----------------------------------------------------------------------------------------------
