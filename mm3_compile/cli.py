@@ -15,13 +15,13 @@ import time
 
 
 def _count(minimum: int):
-    def parse(text: str) -> int:
+    def integer(text: str) -> int:  # argparse names the type by the function: "invalid integer value"
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
         return value
 
-    return parse
+    return integer
 
 
 def _parse(argv):
@@ -212,17 +212,21 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    if args.command == "platform":
-        _select_device("auto")
+    if args.command == "platform":  # runs no kernel: no device choice to check
         from mm3_compile import platform
 
-        print(_table(platform.resolution_table()))
+        try:
+            print(_table(platform.resolution_table()))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         return 0
 
     device = _select_device(args.device)
     if args.config == "m3-1layer" and device != "cuda":
         raise SystemExit("--config m3-1layer needs a GPU (--device cuda)")
-    if args.emulate:
+    if args.emulate is not None:
+        if not args.emulate:
+            raise SystemExit("--emulate: expected a target name (sm_90, gfx942, ...), got ''")
         os.environ["MM3_EMULATE"] = args.emulate
     import torch
 

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import threading
 from typing import Iterator
 
@@ -182,9 +183,9 @@ EMULATION_TARGETS = ("sm_90", "sm_100", "gfx942", "gfx950", "cpu")
 
 
 def _platform_for_target(target: str, emulated: bool) -> Platform:
-    if target.startswith("sm_"):
+    if re.fullmatch(r"sm_\d+a?", target):
         return _ocp(target, "nvidia", emulated)
-    if target.startswith("gfx"):
+    if re.fullmatch(r"gfx[0-9a-f]+(:.*)?", target):
         return _rocm(target, emulated)
     if target == "cpu":
         return _ocp("cpu", "cpu", emulated)
@@ -236,7 +237,12 @@ def platform_for(device: torch.device | str | None = None) -> Platform:
     """The platform that decides FP8 dtypes for tensors on ``device`` (default: current GPU, else CPU)."""
     target = _emulated_target()
     if target is not None:
-        platform = _platform_for_target(target, emulated=True)
+        try:
+            platform = _platform_for_target(target, emulated=True)
+        except ValueError as e:
+            if getattr(_state, "target", None) is None:  # it came from the environment
+                raise ValueError(f"{EMULATE_ENV}={target!r}: {e}") from None
+            raise
     else:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -282,9 +288,8 @@ def is_fp8_kv_spec(spec: str) -> bool:
 
 def resolution_table() -> list[dict[str, str]]:
     """One row for this machine's device and one for each emulation target (for ``mm3-compile platform``)."""
-    rows = []
-    with contextlib.suppress(Exception):
-        rows.append(platform_for(None).describe() | {"target": f"this device ({platform_for(None).target})"})
+    here = platform_for(None)  # an MM3_EMULATE naming no target raises here, rather than dropping the row
+    rows = [here.describe() | {"target": f"this device ({here.target})"}]
     for target in EMULATION_TARGETS + ("gfx90a",):
         rows.append(_platform_for_target(target, emulated=True).describe())
     return rows

@@ -82,6 +82,32 @@ def test_unknown_emulation_target_rejected_without_changing_state():
     assert not platform.platform_for("cpu").emulated
 
 
+@pytest.mark.parametrize("target", ["sm_banana", "sm_", "gfxzz", "", "mi300"])
+def test_emulation_target_names_are_checked(target, monkeypatch):
+    """Target names are sm_<digits>, gfx<hex> or cpu; an environment variable naming none is refused
+    (naming the variable), not read as some NVIDIA or AMD target nor dropped."""
+    with pytest.raises(ValueError, match="unknown platform target"):
+        with platform.emulate(target):
+            pass
+    if target:
+        monkeypatch.setenv(platform.EMULATE_ENV, target)
+        with pytest.raises(ValueError, match=f"{platform.EMULATE_ENV}='{target}': unknown platform target"):
+            platform.resolution_table()
+
+
+def test_cli_refuses_bad_arguments_clearly(monkeypatch, capsys):
+    from mm3_compile import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--steps", "x"])
+    assert "argument --steps: invalid integer value: 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--emulate: expected a target name \(sm_90, gfx942, ...\), got ''"):
+        cli.main(["demo", "--emulate", ""])
+    monkeypatch.setenv(platform.EMULATE_ENV, "bogus")
+    with pytest.raises(SystemExit, match="MM3_EMULATE='bogus': unknown platform target"):
+        cli.main(["platform"])
+
+
 def test_env_var_emulation(monkeypatch):
     monkeypatch.setenv(platform.EMULATE_ENV, "gfx942")
     assert platform.platform_for("cpu").fp8_e4m3 == platform.FP8_E4M3_FNUZ
