@@ -898,8 +898,9 @@ build(kc.kv_centric_attn_kernel,
       dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
            partial_ptr=model, lse_ptr="*fp32"),
       ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), 4)
-build(kc.merge_slots_kernel, dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16),
-      dict(partial_ptr=model, lse_ptr="*fp32", out_ptr=model), (), 4)
+build(kc.merge_slots_kernel,
+      dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16, SCALE_OUT=model == "*fp16" and scale_mode == 1),
+      dict(partial_ptr=model, lse_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (), 4)
 print("compiled")
 """
 

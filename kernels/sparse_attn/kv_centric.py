@@ -33,7 +33,7 @@ traces into one graph.  Numerics per block: logits and their max in fp32, ``p = 
 rounded to the model dtype before P.V (as the union walk).  FP8 K/V are converted once per run: for
 a bf16 model dequantised with their scales (bf16 holds any fp32 magnitude); for an fp16 model with
 scalar or no scales, unscaled (every FP8 value fits fp16) with k_scale folded into the logit factor
-and v_scale into the output, so large scales cannot overflow fp16 (per-token-head scales are
+and v_scale applied to the merged rows, so large scales cannot overflow fp16 (per-token-head scales are
 applied to the values, which must then fit the model dtype, as in every schedule).  Partials are
 stored in the model dtype (|o| <= max |V| up to P's rounding, so fp16 overflows only for |V| within
 2^-11 of its maximum):
@@ -201,7 +201,7 @@ def kv_centric_attn_kernel(
     FP8_BIAS: tl.constexpr,
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
-    FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, scales folded
+    FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, k_scale folded
 ):  # fmt: skip
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
@@ -274,8 +274,6 @@ def kv_centric_attn_kernel(
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             o, lse = _attend_tile(tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, MODEL_DTYPE, DOT_FP32)
-            if FOLD_SCALES:
-                o = o * v_scale
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
                      mask=row_mask[:, None])  # fmt: skip
@@ -293,6 +291,7 @@ def merge_slots_kernel(
     partial_ptr,  # [T, total_q * Hq, D]
     lse_ptr,  # [T, total_q * Hq] fp32
     out_ptr,  # [total_q * Hq, D]
+    v_scale_ptr,  # fp32 scalar, read when SCALE_OUT
     total_q,
     Hq,
     uncounted,
@@ -300,6 +299,7 @@ def merge_slots_kernel(
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SCALE_OUT: tl.constexpr,  # folded v_scale (FOLD_SCALES): partials are unscaled, the merged row is not
 ):
     """out[row] = sum_c 2^lse_c o_c / sum_c 2^lse_c over the row's counted slots c (none -> 0)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) rows of [total_q, Hq]
@@ -327,6 +327,8 @@ def merge_slots_kernel(
                     mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
         acc += w[:, None] * o.to(tl.float32)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    if SCALE_OUT:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -372,6 +374,10 @@ def sparse_attn_prefill_kv_centric(
     kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
         kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
     )
+    # fp16 model over an FP8 cache with scalar or no scales: K/V stay unscaled fp16 (every FP8 value
+    # fits), k_scale joins the logit factor and v_scale scales the merged rows (a slot's scaled partial
+    # could overflow fp16 where the merged row, a convex combination, does not).
+    fold_scales = fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and q.dtype == torch.float16
     launch(
         kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
         q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse,
@@ -380,12 +386,13 @@ def sparse_attn_prefill_kv_centric(
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
-        FOLD_SCALES=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and q.dtype == torch.float16,
+        FOLD_SCALES=fold_scales,
         **fp8_constants, **kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
-        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, total_q, Hq, uncounted,
-        G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, num_warps=4,
+        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, v_scale, total_q, Hq,
+        uncounted, G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SCALE_OUT=fold_scales and scale_mode == 1,
+        num_warps=4,
     )  # fmt: skip
     return out
