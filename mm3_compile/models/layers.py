@@ -38,6 +38,7 @@ from mm3_compile import platform
 from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
+from mm3_compile.ops._checks import values_checked
 from mm3_compile.platform import MX_BLOCK_SIZE
 
 PAGE_SIZE = 128
@@ -463,8 +464,6 @@ def check_uniform_decode(meta: AttentionMetadata) -> None:
     """Decode attention maps token b to request b // q_per_req (the op takes no cu_seqlens_q): a ragged
     batch would attend the wrong requests' keys, so it is refused when index values are checked
     (CPU tensors, or MM3_VALIDATE=1; one device sync on a GPU)."""
-    from mm3_compile.ops._checks import values_checked
-
     if not values_checked(meta.cu_seqlens_q):
         return
     q_lens = meta.cu_seqlens_q.diff().tolist()
