@@ -46,7 +46,6 @@ FP8_E5M2_OCP = torch.float8_e5m2
 FP8_E5M2_FNUZ = torch.float8_e5m2fnuz
 FP8_DTYPES = (FP8_E4M3_OCP, FP8_E4M3_FNUZ, FP8_E5M2_OCP, FP8_E5M2_FNUZ)
 E8M0_DTYPE = torch.float8_e8m0fnu
-MX_BLOCK_SIZE = 32
 
 
 @dataclasses.dataclass(frozen=True)

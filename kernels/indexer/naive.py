@@ -8,7 +8,8 @@ scores keep ascending block order -- and keep the first ``min(topk, nb(p))`` ids
 
 import torch
 
-PAGE_SIZE = 128
+from mm3_compile.contract import PAGE_SIZE
+
 INIT_SCORE, LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.ops._kv import PAGE_SIZE
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.platform import interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance

@@ -6,9 +6,9 @@ own round-to-nearest-even cast; bf16/fp16 caches get the values unchanged.  Work
 
 import torch
 
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.platform import FP8Format
 
-PAGE_SIZE = 128
 
 
 def _encode(x: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, cache_dtype, fmt: FP8Format | None):

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import launch
 from mm3_compile.kernels.fp8 import fp8_encode, format_constants
-from mm3_compile.ops._kv import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
+from mm3_compile.contract import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.platform import FP8Format, hardware_vendor, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance

@@ -7,7 +7,8 @@ round-to-nearest-even cast after an explicit saturation.
 
 import torch
 
-from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE, FP8Format
+from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.platform import E8M0_DTYPE, FP8Format
 
 FP32_TINY = torch.finfo(torch.float32).tiny
 

@@ -17,7 +17,8 @@ import triton.language as tl
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import fp8_encode, fp8_encode_native, format_constants, native_encode_code
 from mm3_compile import platform
-from mm3_compile.platform import E8M0_DTYPE, MX_BLOCK_SIZE, FP8Format, interpreting
+from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
 
 
 @triton.jit

@@ -46,7 +46,7 @@ import triton.language as tl
 from mm3_compile import platform
 from mm3_compile.kernels._launch import launch, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, format_constants
-from mm3_compile.ops._kv import SCALE_NONE, SCALE_PER_TOKEN_HEAD
+from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 PAGE = tl.constexpr(128)  # tokens per page == sparse block size
@@ -543,7 +543,6 @@ def _merge_partials(
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
-LOG2E = 1.4426950408889634
 
 
 @functools.cache

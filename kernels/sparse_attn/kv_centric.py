@@ -58,7 +58,7 @@ from mm3_compile.kernels.sparse_attn.common import (
     kernel_options,
     kv_launch_args,
 )
-from mm3_compile.ops._kv import SCALE_PER_TOKEN_HEAD
+from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,

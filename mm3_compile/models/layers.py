@@ -39,9 +39,7 @@ from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
 from mm3_compile.ops._checks import values_checked
-from mm3_compile.platform import MX_BLOCK_SIZE
-
-PAGE_SIZE = 128
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE
 
 
 @dataclasses.dataclass
@@ -109,7 +107,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos, sin) -> to
 
 def mxfp8_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """values [..., K] (platform MXFP8 dtype) x 2^(E8M0 - 127) per 32-block -> [..., K] in ``dtype``."""
-    factor = torch.exp2(scales.view(torch.uint8).float() - 127.0)  # [..., K/32]; E8M0 byte = exponent + 127
+    factor = torch.exp2(scales.view(torch.uint8).float() - E8M0_BIAS)  # [..., K/32]; E8M0 byte = exponent + 127
     blocks = values.float().unflatten(-1, (-1, MX_BLOCK_SIZE)) * factor.unsqueeze(-1)  # [..., K/32, 32]
     return blocks.flatten(-2).to(dtype)
 

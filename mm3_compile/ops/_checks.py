@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from mm3_compile.ops._kv import PAGE_SIZE
+from mm3_compile.contract import PAGE_SIZE
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -9,9 +9,7 @@ import torch
 from mm3_compile import platform
 from mm3_compile.platform import FP8Format
 
-PAGE_SIZE = 128  # tokens per KV page == sparse block size
-
-SCALE_NONE, SCALE_SCALAR, SCALE_PER_TOKEN_HEAD = 0, 1, 2
+from mm3_compile.contract import SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 
 
 def resolve_cache_view(

@@ -21,7 +21,7 @@ from mm3_compile.ops._checks import (
     check_tensor,
     values_checked,
 )
-from mm3_compile.ops._kv import PAGE_SIZE
+from mm3_compile.contract import PAGE_SIZE
 
 MIN_INDEX_DIM, MAX_INDEX_DIM = 16, 256  # tl.dot needs K >= 16; one page tile stays in registers up to 256
 

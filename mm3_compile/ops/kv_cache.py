@@ -19,7 +19,8 @@ from mm3_compile.ops._checks import (
     check_tensor,
     values_checked,
 )
-from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
+from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention ops read D 64/128; the index-K cache is written as two halves
 

@@ -11,7 +11,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
-from mm3_compile.kernels.sparse_attn.common import LOG2E
+from mm3_compile.contract import LOG2E, PAGE_SIZE
 from mm3_compile.ops._checks import (
     check_cu_seqlens_values,
     check_finite,
@@ -22,7 +22,7 @@ from mm3_compile.ops._checks import (
     check_tensor,
     values_checked,
 )
-from mm3_compile.ops._kv import PAGE_SIZE, kv_scale_mode, resolve_cache_view
+from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
