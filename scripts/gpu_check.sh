@@ -14,11 +14,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+# Inductor builds AOTInductor libraries with $CXX; a compiler that links libstdc++ statically (the H200
+# machine's CXX=/opt/gcc/bin/g++) makes packages that crash their loader: use a verified one.
+if cxx=$(python3 -c "from mm3_compile import deploy; print(deploy.verified_compiler())"); then
+  export CXX=$cxx
+else
+  echo "no C++ compiler that links libstdc++ dynamically: AOTInductor packages will be refused"
+fi
 export PYTHONUNBUFFERED=1
 case "${1:-tests}" in
   tests)
     # -v: a log cut short by the time limit still names every finished test.  The AOTInductor test
-    # (~110 s on the device machine, whose loader crashes) has its own mode.
+    # (~110 s on the device machine) has its own mode.
     timeout 420 python3 -m pytest -v -p no:cacheprovider --durations=15 -m gpu -k "not aoti" tests >"$out/gpu_tests.log" 2>&1
     # not GPU-marked (it runs on CPU in CI too); on CUDA it adds prefill length 4096
     timeout 110 python3 -m pytest -v -p no:cacheprovider \
