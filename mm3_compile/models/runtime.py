@@ -113,6 +113,12 @@ class PagedKVRuntime:
         """Append ``q_lens[r]`` tokens to request r (prefill chunk or decode); metadata for that step.
 
         Everything is checked before anything changes: a refused step leaves the runtime as it was."""
+        self.advance(q_lens)
+        return self._metadata(q_lens)
+
+    def advance(self, q_lens: Sequence[int]) -> None:
+        """The bookkeeping of :meth:`extend` without building device metadata (for callers that keep
+        their own static buffers, e.g. :class:`mm3_compile.models.graphs.GraphedDecode`)."""
         if len(q_lens) != len(self.seq_lens):
             raise ValueError(
                 f"q_lens: expected one entry per running request ({len(self.seq_lens)}), got {len(q_lens)}"
@@ -137,7 +143,6 @@ class PagedKVRuntime:
         for r, new_len in enumerate(new_lens):
             self.seq_lens[r] = new_len
             self._grow(r, new_len)
-        return self._metadata(q_lens)
 
     def add_prompts(self, prompt_lens: Sequence[int]) -> AttentionMetadata:
         """Start one request per prompt; metadata for their prefill."""
