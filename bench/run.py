@@ -1,5 +1,8 @@
 """mm3_compile benchmarks: ``python bench/run.py [--quick] [--cpu] [--families quant,decode,prefill] [--out DIR]``.
 
+Runs against the installed ``mm3_compile`` (``python -m bench.run`` works too, from a checkout with an
+editable install); from an unpacked sdist use ``python bench/run.py``.
+
 One command on one H200 (the full run is budgeted to fit a single device call, ``--budget-s``):
 ceilings first (a 4 GiB device-to-device copy, an 8192^3 bf16 matmul), then every family, each row
 checked against the pure-PyTorch reference before it is timed.  Writes ``results.csv`` (long
@@ -58,14 +61,17 @@ def parse_args(argv=None):
 
 
 def _prepare_environment(cpu: bool) -> None:
-    """Before torch/triton are imported: the interpreter for --cpu, and the package importable from
-    the source tree on a machine where it is not installed."""
+    """Before torch/triton are imported: the interpreter for --cpu, and ``bench`` importable.
+
+    ``mm3_compile`` is the installed package (``pip install -e .`` in a checkout, or a wheel/sdist
+    install): the repo folder is appended to ``sys.path``, after site-packages, so only ``bench``
+    comes from it and an unpacked sdist's source folder never shadows the install."""
     if cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the interpreter is ~3x faster single-threaded
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
     if REPO not in sys.path:
-        sys.path.insert(0, REPO)
+        sys.path.append(REPO)
     import importlib.util
 
     try:
@@ -73,36 +79,10 @@ def _prepare_environment(cpu: bool) -> None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        _alias_repo_folders()
-
-
-def _alias_repo_folders() -> None:
-    """Map ``mm3_compile.kernels`` / ``mm3_compile.lowerings`` onto the repo's ``kernels/`` and
-    ``lowerings/`` (what the editable install's package-dir does) for an uninstalled checkout."""
-    import importlib.abc
-    import importlib.machinery
-
-    folders = {
-        "mm3_compile.kernels": os.path.join(REPO, "kernels"),
-        "mm3_compile.lowerings": os.path.join(REPO, "lowerings"),
-    }
-
-    class RepoFolders(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path=None, target=None):
-            for prefix, folder in folders.items():
-                if fullname == prefix or fullname.startswith(prefix + "."):
-                    rel = fullname[len(prefix) :].lstrip(".").replace(".", os.sep)
-                    base = os.path.join(folder, rel) if rel else folder
-                    if os.path.isdir(base):
-                        init = os.path.join(base, "__init__.py")
-                        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[base])
-                    if os.path.exists(base + ".py"):
-                        return importlib.util.spec_from_file_location(fullname, base + ".py")
-            return None
-
-    import importlib.util
-
-    sys.meta_path.append(RepoFolders())
+        raise SystemExit(
+            "bench: mm3_compile is not installed in this Python (its kernels and lowerings install inside it): "
+            "run `pip install -e .` (or `make setup`) first"
+        )
 
 
 def measure_ceilings(ctx) -> None:

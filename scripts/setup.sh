@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time set-up used by `make demo` / `make test`: a .venv with torch, triton, numpy and this
-# package (editable, with the test extra). Without a GPU it installs the CPU build torch==2.13.0+cpu
+# package (editable, with the test extra and, except on ROCm, the cpu extra). Without a GPU it installs the CPU build torch==2.13.0+cpu
 # (from PyTorch's CPU index, or a local wheel); a plain `torch` requirement would pull a multi-GB
 # CUDA build. With an NVIDIA GPU: a CUDA build of torch 2.11-2.15. ROCm: install a ROCm build of
 # torch into .venv first (PyPI has none); the script keeps a torch that can see the GPU.
@@ -37,6 +37,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
         .venv/bin/python -m pip install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # Triton comes with CUDA torch (`triton`) and ROCm torch (`pytorch-triton-rocm`, which a PyPI `triton`
+  # would overwrite); the `cpu` extra adds it for CPU builds (the interpreter) and is a no-op on CUDA
+  if has_rocm; then extras="test"; else extras="test,cpu"; fi
+  .venv/bin/python -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.append(REPO)  # after site-packages: bench/ from here, mm3_compile from the install
 
-from bench import inputs as bench_inputs  # noqa: E402  (bench/ is not a package on sys.path)
+from bench import inputs as bench_inputs  # noqa: E402  (bench/ is a repo folder, not installed)
 from bench import report  # noqa: E402
 
 EXPECTED_COLUMNS = {

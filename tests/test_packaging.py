@@ -30,3 +30,27 @@ def test_no_top_level_kernels_or_lowerings(tmp_path):
     assert subprocess.run([sys.executable, "-c", probe], cwd=tmp_path).returncode == 0
     import mm3_compile.kernels.sparse_attn.common  # noqa: F401  (the namespaced names do import)
     import mm3_compile.lowerings  # noqa: F401
+
+
+def test_metadata_version_license_and_dependencies():
+    """One version (mm3_compile.__version__, read by setuptools), a license file, and no Triton requirement
+    that would fight the one a CUDA/ROCm torch brings (the ``cpu`` extra carries it for CPU builds)."""
+    import importlib.metadata
+
+    import mm3_compile
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mm3_compile.__version__"}
+    assert importlib.metadata.version("mm3-compile") == mm3_compile.__version__
+    assert project["project"]["license"] == "MIT" and (ROOT / "LICENSE").read_text().startswith("MIT License")
+    requirements = project["project"]["dependencies"]
+    assert not any(r.split(">")[0].split("=")[0].strip() == "triton" for r in requirements), requirements
+    assert any(r.startswith("triton") for r in project["project"]["optional-dependencies"]["cpu"])
+
+
+def test_sdist_carries_what_its_tests_import():
+    """tests/test_bench.py imports bench/: the sdist must carry it (MANIFEST.in)."""
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    assert {"graft tests", "graft bench", "include LICENSE"} <= set(manifest)
+    assert (ROOT / "bench" / "run.py").exists() and (ROOT / "tests" / "test_bench.py").exists()
