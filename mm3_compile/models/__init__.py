@@ -34,6 +34,10 @@ Public API (what ``mm3-compile demo`` uses)::
 * Two graphs per compiled model (prefill, decode); token and request counts are dynamic, so later steps and
   other batch shapes do not recompile.  Graph breaks: none (``fullgraph=True``).
 
+* ``GraphedDecode(model, runtime)`` (:mod:`.graphs`) replays the compiled decode step from one CUDA graph per
+  batch-size bucket over static metadata buffers updated in place; its module docstring is the recipe
+  (capture sizes, what must stay static, the arrival-counter rule).
+
 Cost on the CPU interpreter: prefill runs one Triton program per (token, KV head) per layer (~10-25 ms
 each), so a tiny prefill of ~440 tokens takes ~20-40 s eagerly; decode steps take well under a second.
 
@@ -42,6 +46,7 @@ and how to run with NCCL); everything else is unchanged.
 """
 
 from mm3_compile.models.config import MiniMaxM3Config  # noqa: F401
+from mm3_compile.models.graphs import GraphedDecode  # noqa: F401
 from mm3_compile.models.layers import (  # noqa: F401
     AttentionMetadata,
     MiniMaxM3ForCausalLM,
