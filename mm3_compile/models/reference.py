@@ -1,7 +1,7 @@
 """Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with layers.py.
 
 Dense fp32 math per request: explicit causal masks, a lightning indexer written as "score every key, max per
-block, sort", explicit top-k block masks, dequantized MXFP8 weights (its own MXFP8 quantizer), contiguous
+block, sort", explicit top-k block masks, dequantized MXFP8 weights (attention projections, MLPs, experts; its own MXFP8 quantizer), contiguous
 per-request K/V histories instead of pages.
 
 It models the network *as deployed in a model dtype*: values are rounded to the model dtype where the
@@ -151,7 +151,7 @@ class ReferenceModel:
         self.w = {}
         for name, t in state.items():
             t = t.to(self.device).float()
-            if ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
+            if name.endswith("_proj.weight") or ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
                 experts = t if t.dim() == 3 else t[None]  # one expert at a time bounds the fp64 temporaries
                 t = torch.stack([mx_quant_dequant(e, self.device) for e in experts]).view(t.shape)
             self.w[name] = t
