@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -159,7 +159,7 @@ class ReferenceModel:
 
     def reset(self, num_requests: int) -> None:
         # history[layer][request] = dict(k [L, Hkv, D], v [L, Hkv, D], ik [L, Didx]) in cache-rounded fp32
-        empty = lambda: {"k": None, "v": None, "ik": None}  # noqa: E731
+        empty = lambda: {"k": None, "v": None, "ik": None}
         self.history = [[empty() for _ in range(num_requests)] for _ in range(self.cfg.num_hidden_layers)]
         self.seq_lens = [0] * num_requests
 
@@ -286,7 +286,7 @@ class ReferenceModel:
             if any(self.seq_lens):
                 raise ValueError("step: the number of requests changed mid-run")
             self.reset(len(q_lens))
-        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()  # noqa: E731
+        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()
         h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
         hiddens, selections = [h], []
         self.route_margin, self.route_swaps, self.forced = {}, {}, forced is not None
