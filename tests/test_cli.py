@@ -111,7 +111,7 @@ def test_a_failed_check_fails_the_demo(monkeypatch, capsys):
 
 @pytest.mark.interpreter
 def test_demo_runs_a_release_checkpoint_and_passes(tmp_path, capsys):
-    """The main job end to end from a checkpoint directory (aot_eager keeps the CPU run to about a minute)."""
+    """The main job end to end from a checkpoint directory (aot_eager; ~3 min on the CPU interpreter)."""
     config = MiniMaxM3Config.tiny()
     write_checkpoint(tmp_path, random_full_state(config, seed=5), config)
     argv = ["demo", "--device", "cpu", "--checkpoint", str(tmp_path), "--batch", "1", "--steps", "1"]

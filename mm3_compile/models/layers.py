@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm3_compile import platform
-from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE  # noqa: F401 (runtime.py imports PAGE_SIZE from here)
 from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
 from mm3_compile.ops._checks import values_checked
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE
 
 
 @dataclasses.dataclass
@@ -134,11 +134,15 @@ class MXFP8Weight(nn.Module):
     def load_stored(self, values: torch.Tensor, scales: torch.Tensor, index: int | None = None) -> None:
         """Copy stored MXFP8 ``values`` (platform dtype) and E8M0 ``scales`` as they are (no re-quantization),
         into the whole weight or into its slice ``index`` of the leading (expert) dim."""
-        dst_values, dst_scales = (self.values, self.scales) if index is None else (self.values[index], self.scales[index])
-        if values.dtype != dst_values.dtype or tuple(values.shape) != tuple(dst_values.shape):
-            raise ValueError(f"values: expected {dst_values.dtype} {list(dst_values.shape)}, got {values.dtype} {list(values.shape)}")
-        if scales.dtype not in (torch.uint8, platform.E8M0_DTYPE) or tuple(scales.shape) != tuple(dst_scales.shape):
-            raise ValueError(f"scales: expected uint8 E8M0 bytes {list(dst_scales.shape)}, got {scales.dtype} {list(scales.shape)}")
+        dst_values, dst_scales = self.values, self.scales
+        if index is not None:
+            dst_values, dst_scales = dst_values[index], dst_scales[index]
+        if values.dtype != dst_values.dtype or values.shape != dst_values.shape:
+            want, got = f"{dst_values.dtype} {list(dst_values.shape)}", f"{values.dtype} {list(values.shape)}"
+            raise ValueError(f"values: expected {want}, got {got}")
+        if scales.dtype not in (torch.uint8, platform.E8M0_DTYPE) or scales.shape != dst_scales.shape:
+            want, got = f"uint8 E8M0 bytes {list(dst_scales.shape)}", f"{scales.dtype} {list(scales.shape)}"
+            raise ValueError(f"scales: expected {want}, got {got}")
         dst_values.copy_(values)
         dst_scales.copy_(scales.view(torch.uint8))
 
