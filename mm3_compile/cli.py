@@ -237,7 +237,8 @@ class Progress:
 
 
 def status(message: str, stream=None) -> None:
-    """One status line on stderr (what is about to take a while)."""
+    """One status line on stderr (what is about to take a while), after what stdout holds so far."""
+    sys.stdout.flush()
     print(f"... {message}", file=stream if stream is not None else sys.stderr, flush=True)
 
 
