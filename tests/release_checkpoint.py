@@ -44,7 +44,7 @@ def hf_config(config: MiniMaxM3Config, vl: bool = True, mxfp8: bool = True) -> d
         "routed_scaling_factor": config.routed_scaling_factor,
         "moe_layer_freq": pattern,
         "num_mtp_modules": 1,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": 1048576,
         "sparse_attention_config": {

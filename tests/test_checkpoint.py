@@ -140,6 +140,16 @@ def test_mixed_checkpoint_quantizes_only_the_bf16_linears(state, tmp_path):
     assert_same_weights(loaded, build_model(CONFIG, state=state))
 
 
+@pytest.mark.interpreter
+def test_tied_embeddings_need_no_lm_head(state, tmp_path):
+    config = MiniMaxM3Config.tiny(tie_word_embeddings=True)
+    write_checkpoint(tmp_path, state, config, vl=False, drop=["lm_head.weight"])
+    assert MiniMaxM3Config.from_pretrained(tmp_path) == config
+    loaded = load_checkpoint(config, tmp_path)
+    assert torch.equal(loaded.lm_head, loaded.embed) and torch.equal(loaded.embed, state["embed.weight"])
+    assert_same_weights(loaded, build_model(config, state=state | {"lm_head.weight": state["embed.weight"]}))
+
+
 def test_missing_unexpected_and_mistyped_tensors_are_named(state, tmp_path):
     gate = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
     write_checkpoint(tmp_path / "missing", state, CONFIG, drop=[gate + ".weight", "language_model.model.norm.weight"])
@@ -159,6 +169,9 @@ def test_missing_unexpected_and_mistyped_tensors_are_named(state, tmp_path):
         CheckpointError, match=rf"{scale}: expected dtype torch\.uint8 or torch\.float8_e8m0fnu, got torch\.int32"
     ):
         load_checkpoint(CONFIG, tmp_path / "dtype")
+    write_checkpoint(tmp_path / "noscale", state, CONFIG, drop=[scale])
+    with pytest.raises(CheckpointError, match=rf"o_proj\.weight: an MXFP8 weight without its scales {scale}"):
+        load_checkpoint(CONFIG, tmp_path / "noscale")
     k = "language_model.model.layers.0.self_attn.k_proj.weight"
     write_checkpoint(tmp_path / "shape", state, CONFIG, extra={k: torch.zeros(64, 128, dtype=platform.FP8_E4M3_OCP)})
     with pytest.raises(CheckpointError, match=rf"{k}: expected shape \[128, 128\], got \[64, 128\]"):

@@ -225,6 +225,8 @@ class _Loader:
             self.stored += 1
             values, scales = ocp_mxfp8_to_platform(values.to(device), scales.to(device), self.value_dtype, name)
             return values, scales.view(torch.uint8)
+        if self._meta(name)[1] == platform.FP8_E4M3_OCP:
+            raise CheckpointError(f"{name}: an MXFP8 weight without its scales {scale_name}")
         w = self._read(name, [out, inp], (torch.bfloat16, torch.float16, torch.float32), dim, start, count)
         self.quantized += 1
         values, scales = torch.ops.mm3.mxfp8_quantize(w.to(device).contiguous())
