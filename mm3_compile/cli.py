@@ -47,10 +47,18 @@ def _version() -> str:
     return f"mm3-compile {version}"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: ...)`` to every option's help unless the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default:" in text else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     from mm3_compile import platform
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     parser = argparse.ArgumentParser(prog="mm3-compile", description=__doc__.splitlines()[0], formatter_class=fmt)
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,12 +91,14 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint",
         metavar="DIR",
         default=None,
-        help="run this checkpoint directory (Hugging Face release layout: config.json + safetensors)",
+        help="run this checkpoint directory (Hugging Face release layout: config.json + safetensors) "
+        "(default: none, seeded random weights)",
     )
     demo.add_argument(
         "--layers",
         type=_count(1),
         default=None,
+        metavar="N",
         help="with --checkpoint: load only the first N decoder layers (default: all)",
     )
     demo.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor", help="torch.compile backend")
