@@ -141,6 +141,23 @@ def test_mixed_checkpoint_quantizes_only_the_bf16_linears(state, tmp_path):
 
 
 @pytest.mark.interpreter
+def test_mxfp8_bytes_are_loaded_as_stored_not_requantized(state, tmp_path):
+    """Bytes no quantizer would produce (random codes, scales off the block maxima) come through unchanged:
+    dequantizing and re-quantizing would renormalise them."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (128, 128), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x01  # no NaNs
+    scales = torch.randint(100, 130, (128, 4), generator=gen, dtype=torch.uint8)
+    name = "language_model.model.layers.0.mlp.down_proj"
+    extra = {name + ".weight": codes.view(platform.FP8_E4M3_OCP), name + ".weight_scale_inv": scales}
+    write_checkpoint(tmp_path, state, CONFIG, extra=extra)
+    down = load_checkpoint(CONFIG, tmp_path).layers[0].mlp.down
+    assert torch.equal(down.values.view(torch.uint8), codes) and torch.equal(down.scales, scales)
+    requantized = torch.ops.mm3.mxfp8_quantize(down.dequantize(torch.float32))[1].view(torch.uint8)
+    assert not torch.equal(requantized, scales)  # the control: a round trip would have changed them
+
+
+@pytest.mark.interpreter
 def test_tied_embeddings_need_no_lm_head(state, tmp_path):
     config = MiniMaxM3Config.tiny(tie_word_embeddings=True)
     write_checkpoint(tmp_path, state, config, vl=False, drop=["lm_head.weight"])
