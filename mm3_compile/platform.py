@@ -15,7 +15,8 @@ build serves both FNUZ (gfx942) and OCP (gfx950) parts.
 
 ``emulate("gfx942")`` (or ``MM3_EMULATE=gfx942``) makes the authority answer for a named
 target whatever the real device is, so every platform's numerics can be traced and tested on
-a CPU.  Decisions are logged on the ``mm3_compile`` logger (``TORCH_LOGS=+mm3_compile``).
+a CPU.  Decisions are logged on the ``mm3_compile`` logger (``TORCH_LOGS=+mm3_compile``), each distinct
+one once (:func:`forget_logged_decisions` starts over).
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ except Exception:  # pragma: no cover - logging registry moved; plain logging st
     log.debug("torch._logging registry unavailable; use logging.getLogger('mm3_compile')")
 
 EMULATE_ENV = "MM3_EMULATE"
+
+_logged_decisions: set[tuple] = set()
+_logged_lock = threading.Lock()
+
+
+def log_decision(level: int, msg: str, *args) -> None:
+    """Log one decision once per process: ops ask the authority on every call (and again at trace time),
+    and the log should say what was decided, not how often it was asked."""
+    key = (level, msg, *map(str, args))
+    with _logged_lock:
+        if key in _logged_decisions:
+            return
+        _logged_decisions.add(key)
+    log.log(level, msg, *args)
+
+
+def forget_logged_decisions() -> None:
+    """Log every decision again the next time it is made (e.g. before another compile)."""
+    with _logged_lock:
+        _logged_decisions.clear()
 
 # The four FP8 storage dtypes torch knows; the only table of them in the package.
 FP8_E4M3_OCP = torch.float8_e4m3fn
@@ -246,7 +267,7 @@ def platform_for(device: torch.device | str | None = None) -> Platform:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         platform = _device_platform(torch.device(device))
-    log.debug("platform for %s: %s", device, platform)
+    log_decision(logging.DEBUG, "platform for %s: %s", device, platform)
     return platform
 
 
@@ -275,7 +296,7 @@ def resolve_kv_cache_dtype(spec: str, device: torch.device | str | None, model_d
         dtype = platform_for(device).kv_e5m2_dtype
     else:
         raise ValueError(f"kv_cache_dtype: unknown spec {spec!r}; expected one of {', '.join(KV_CACHE_SPECS)}")
-    log.info("kv_cache_dtype %r on %s resolves to %s", spec, device, dtype)
+    log_decision(logging.INFO, "kv_cache_dtype %r on %s resolves to %s", spec, device, dtype)
     return dtype
 
 

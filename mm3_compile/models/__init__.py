@@ -41,10 +41,18 @@ Public API (what ``mm3-compile demo`` uses)::
 Cost on the CPU interpreter: prefill runs one Triton program per (token, KV head) per layer (~10-25 ms
 each), so a tiny prefill of ~440 tokens takes ~20-40 s eagerly; decode steps take well under a second.
 
+Real checkpoints (the Hugging Face release layout, MXFP8 or bf16; see :mod:`.checkpoint`)::
+
+    config = MiniMaxM3Config.from_pretrained(path)          # config.json, VL or text-only form
+    model = load_checkpoint(config, path, device="cuda")    # group=... loads only this rank's slices
+    state = full_state_from_checkpoint(path, config)         # tiny models: the reference's weights
+
 Tensor parallelism: ``build_model(..., group=pg)`` keeps this rank's shard (see :mod:`.tp` for the rules
 and how to run with NCCL); everything else is unchanged.
 """
 
+from mm3_compile.models import checkpoint  # noqa: F401
+from mm3_compile.models.checkpoint import CheckpointError, full_state_from_checkpoint, load_checkpoint  # noqa: F401
 from mm3_compile.models.config import MiniMaxM3Config  # noqa: F401
 from mm3_compile.models.graphs import GraphedDecode  # noqa: F401
 from mm3_compile.models.layers import (  # noqa: F401

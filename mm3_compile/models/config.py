@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,8 @@ class MiniMaxM3Config:
     swiglu_alpha: float = 1.702
     swiglu_beta: float = 1.0
     swiglu_limit: float = 7.0
+
+    tie_word_embeddings: bool = False  # True: the LM head is the embedding table (no lm_head tensor)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -85,24 +90,24 @@ class MiniMaxM3Config:
         the head dim, block size 128 with top-2 blocks (so prompts of >= 3 blocks, ~300+ tokens, really
         select), 8 experts top-4 with a shared expert, layer 0 dense and layer 1 sparse + MoE.
         """
-        values = dict(
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_dense_layers=1,
-            vocab_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            rotary_dim=32,
-            num_index_heads=2,
-            index_head_dim=64,
-            sparse_topk_blocks=2,
-            num_experts=8,
-            num_experts_per_tok=4,
-            moe_intermediate_size=64,
-            shared_intermediate_size=64,
-            dense_intermediate_size=128,
-        )
+        values = {
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_dense_layers": 1,
+            "vocab_size": 512,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "rotary_dim": 32,
+            "num_index_heads": 2,
+            "index_head_dim": 64,
+            "sparse_topk_blocks": 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 64,
+            "shared_intermediate_size": 64,
+            "dense_intermediate_size": 128,
+        }
         values.update(overrides)
         return cls(**values)
 
@@ -113,9 +118,134 @@ class MiniMaxM3Config:
         The vocabulary is cut to 4096: embedding and LM head are plain GEMMs outside the kernels under test,
         and the real 200064-row tables would only add 2.4 GB of random weights.
         """
-        values = dict(num_hidden_layers=1, num_dense_layers=0, vocab_size=4096)
+        values = {"num_hidden_layers": 1, "num_dense_layers": 0, "vocab_size": 4096}
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
+        """The config of a checkpoint directory (its ``config.json``, VL or text-only form)."""
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"path: expected a checkpoint directory with config.json, got {os.fspath(path)!r}")
+        with open(file) as f:
+            return cls.from_hf_config(json.load(f))
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> MiniMaxM3Config:
+        """Translate a Hugging Face MiniMax-M3 config dict: the VL form (``model_type: minimax_m3_vl``, text
+        model under ``text_config``) or the text-only one (``minimax_m3_text``).
+
+        Keys whose values the layers do not implement are refused by name (``ValueError: config: hidden_act
+        'silu' is not supported; expected 'swigluoai'``); keys the text model does not use are ignored.
+
+        Examples::
+
+            config = MiniMaxM3Config.from_pretrained("/models/MiniMax-M3-MXFP8")
+        """
+        model_type = hf.get("model_type")
+        if model_type == "minimax_m3_vl":
+            if not isinstance(hf.get("text_config"), dict):
+                raise ValueError("config: a minimax_m3_vl config needs a text_config dict")
+            quant = hf.get("quantization_config", hf["text_config"].get("quantization_config"))
+            hf = hf["text_config"]
+            if hf.get("model_type", "minimax_m3_text") != "minimax_m3_text":
+                raise ValueError(f"config: text_config.model_type {hf['model_type']!r}; expected 'minimax_m3_text'")
+        elif model_type == "minimax_m3_text":
+            quant = hf.get("quantization_config")
+        else:
+            raise ValueError(
+                f"config: model_type {model_type!r} is not supported; expected 'minimax_m3_vl' or 'minimax_m3_text'"
+            )
+
+        def need(key):
+            if key not in hf:
+                raise ValueError(f"config: missing key {key!r}")
+            return hf[key]
+
+        def expect(key, allowed, default=None):
+            value = hf.get(key, default)
+            if value not in allowed:
+                raise ValueError(
+                    f"config: {key} {value!r} is not supported; expected {' or '.join(map(repr, allowed))}"
+                )
+
+        expect("hidden_act", ("swigluoai",))
+        expect("use_gemma_norm", (True,))
+        expect("scoring_func", ("sigmoid",))
+        expect("use_routing_bias", (True,))
+        _check_quantization(quant)
+        layers = need("num_hidden_layers")
+        head_dim = need("head_dim")
+        if "rotary_dim" in hf:
+            rotary_dim = hf["rotary_dim"]
+        elif "partial_rotary_factor" in hf:
+            rotary_dim = head_dim * hf["partial_rotary_factor"]
+            if rotary_dim != int(rotary_dim):
+                raise ValueError(
+                    f"config: partial_rotary_factor {hf['partial_rotary_factor']} x head_dim {head_dim} is not an integer"
+                )
+            rotary_dim = int(rotary_dim)
+        else:
+            raise ValueError("config: missing key 'rotary_dim' (or 'partial_rotary_factor')")
+        sparse = need("sparse_attention_config")
+        if not isinstance(sparse, dict):
+            raise TypeError(f"config: sparse_attention_config: expected a dict, got {type(sparse).__name__}")
+        for key, allowed in (("sparse_score_type", ("max",)), ("sparse_disable_index_value", (True,))):
+            if sparse.get(key) not in allowed:
+                raise ValueError(
+                    f"config: sparse_attention_config.{key} {sparse.get(key)!r} is not supported; expected {allowed[0]!r}"
+                )
+
+        def need_sparse(key):  # no defaults: vLLM's would differ from the release's (sparse_local_block 0 vs 1)
+            if key not in sparse:
+                raise ValueError(f"config: missing key 'sparse_attention_config.{key}'")
+            return sparse[key]
+
+        moe = _layer_pattern(hf.get("moe_layer_freq"), layers, "moe_layer_freq")
+        attn = _layer_pattern(
+            sparse.get("sparse_attention_freq"), layers, "sparse_attention_config.sparse_attention_freq"
+        )
+        if moe != attn:
+            raise ValueError(
+                "config: moe_layer_freq and sparse_attention_config.sparse_attention_freq must mark the same layers "
+                "(the layers pair sparse attention with MoE and dense attention with the dense MLP)"
+            )
+        dense = moe.index(True) if True in moe else layers
+        if any(not m for m in moe[dense:]):
+            raise ValueError(
+                "config: moe_layer_freq: expected dense layers first then only MoE layers, got " + str(moe)
+            )
+        shared = hf.get("n_shared_experts", 0)
+        return cls(
+            hidden_size=need("hidden_size"),
+            num_hidden_layers=layers,
+            num_dense_layers=dense,
+            vocab_size=need("vocab_size"),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            rope_theta=float(need("rope_theta")),
+            rms_norm_eps=float(need("rms_norm_eps")),
+            sparse_block_size=need_sparse("sparse_block_size"),
+            sparse_topk_blocks=need_sparse("sparse_topk_blocks"),
+            sparse_init_blocks=need_sparse("sparse_init_block"),
+            sparse_local_blocks=need_sparse("sparse_local_block"),
+            num_index_heads=need_sparse("sparse_num_index_heads"),
+            index_head_dim=need_sparse("sparse_index_dim"),
+            num_experts=need("num_local_experts"),
+            num_experts_per_tok=need("num_experts_per_tok"),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_shared_experts=shared,
+            moe_intermediate_size=need("intermediate_size"),
+            shared_intermediate_size=hf.get("shared_intermediate_size", need("intermediate_size")),
+            dense_intermediate_size=hf.get("dense_intermediate_size", need("intermediate_size")),
+            swiglu_alpha=float(need("swiglu_alpha")),
+            swiglu_beta=float(hf.get("swiglu_beta", 1.0)),
+            swiglu_limit=float(need("swiglu_limit")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
 
     @classmethod
     def preset(cls, name: str) -> MiniMaxM3Config:
@@ -123,3 +253,30 @@ class MiniMaxM3Config:
         if name not in presets:
             raise ValueError(f"unknown config preset {name!r}; expected one of tiny, m3-1layer, m3")
         return presets[name]()
+
+
+def _layer_pattern(value, layers: int, key: str) -> list[bool]:
+    """Per layer True/False from a 0/1 list (one entry per layer) or an int (``1``: every layer)."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"config: {key}: expected a list of 0/1 per layer or an int, got {value!r}")
+    if isinstance(value, int):
+        if value != 1:
+            raise ValueError(f"config: {key} {value} is not supported; expected 1 (every layer) or a 0/1 list")
+        return [True] * layers
+    if not isinstance(value, list) or len(value) != layers or any(v not in (0, 1) for v in value):
+        raise ValueError(f"config: {key}: expected {layers} entries of 0/1 (num_hidden_layers), got {value!r}")
+    return [bool(v) for v in value]
+
+
+def _check_quantization(quant) -> None:
+    """Only MXFP8 with 1x32 blocks (or none: bf16 weights, quantized at load) is read by the loader."""
+    if quant is None:
+        return
+    if quant.get("quant_method") != "mxfp8":
+        raise ValueError(
+            f"config: quantization_config.quant_method {quant.get('quant_method')!r} is not supported; expected 'mxfp8'"
+        )
+    if list(quant.get("weight_block_size", [1, 32])) != [1, 32]:
+        raise ValueError(
+            f"config: quantization_config.weight_block_size {quant['weight_block_size']} is not supported; expected [1, 32]"
+        )

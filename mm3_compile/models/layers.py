@@ -22,7 +22,8 @@ Design choices worth knowing:
   MX GEMM); the activation between the GEMMs goes through ``mm3::swiglu_oai_mxfp8_quant`` and is
   dequantized again.  GPU cost: the dequantization rewrites every expert's weight per forward (~2x the
   MXFP8 bytes in bf16 traffic), the price of not having an MX/FP8 grouped GEMM.
-* The dense MLP and the shared expert use the same MXFP8 weight path (one expert, plain GEMMs).
+* The dense MLP, the shared expert and the attention projections (q/k/v/o, index q/k: MXFP8 in the
+  release) use the same MXFP8 weight path (plain GEMMs on the dequantized weight).
 """
 
 from __future__ import annotations
@@ -129,8 +130,28 @@ class MXFP8Weight(nn.Module):
         self.values.copy_(values)
         self.scales.copy_(scales.view(torch.uint8))
 
+    @torch.no_grad()
+    def load_stored(self, values: torch.Tensor, scales: torch.Tensor, index: int | None = None) -> None:
+        """Copy stored MXFP8 ``values`` (platform dtype) and E8M0 ``scales`` as they are (no re-quantization),
+        into the whole weight or into its slice ``index`` of the leading (expert) dim."""
+        dst_values, dst_scales = self.values, self.scales
+        if index is not None:
+            dst_values, dst_scales = dst_values[index], dst_scales[index]
+        if values.dtype != dst_values.dtype or values.shape != dst_values.shape:
+            want, got = f"{dst_values.dtype} {list(dst_values.shape)}", f"{values.dtype} {list(values.shape)}"
+            raise ValueError(f"values: expected {want}, got {got}")
+        if scales.dtype not in (torch.uint8, platform.E8M0_DTYPE) or scales.shape != dst_scales.shape:
+            want, got = f"uint8 E8M0 bytes {list(dst_scales.shape)}", f"{scales.dtype} {list(scales.shape)}"
+            raise ValueError(f"scales: expected {want}, got {got}")
+        dst_values.copy_(values)
+        dst_scales.copy_(scales.view(torch.uint8))
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return mxfp8_dequantize(self.values, self.scales, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` with W dequantized to x's dtype (x [..., in] -> [..., out])."""
+        return F.linear(x, self.dequantize(x.dtype))
 
 
 @torch.library.custom_op("mm3_models::e8m0_bytes", mutates_args=())
@@ -197,12 +218,9 @@ class M3Attention(nn.Module):
         # packed row [q | k | v | index_q | index_k] in heads of width D (= Didx, see the config); index heads
         # follow the KV heads, index-K is one shared head
         self.head_splits = [hq, hkv, hkv] + ([hkv, 1] if sparse else [])
-        self.qkv_weight = nn.Parameter(
-            torch.zeros(sum(self.head_splits) * D, config.hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
-        self.o_weight = nn.Parameter(
-            torch.zeros(config.hidden_size, hq * D, dtype=dtype, device=device), requires_grad=False
-        )
+        # MXFP8 like the release stores them (q/k/v/o and the index projections)
+        self.qkv = MXFP8Weight((sum(self.head_splits) * D, config.hidden_size), device)
+        self.o = MXFP8Weight((config.hidden_size, hq * D), device)
         eps = config.rms_norm_eps
         self.q_norm = GemmaRMSNorm(D, eps, dtype, device)
         self.k_norm = GemmaRMSNorm(D, eps, dtype, device)
@@ -223,8 +241,8 @@ class M3Attention(nn.Module):
         ]
         if self.sparse:
             pieces += [tpmod.shard_heads(index[0], Didx, h.kv_start, h.num_kv_heads), index[1]]
-        self.qkv_weight.copy_(torch.cat(pieces, dim=0))
-        self.o_weight.copy_(tpmod.shard_heads(state[prefix + "o_proj.weight"], D, h.q_start, h.num_q_heads, dim=1))
+        self.qkv.load(torch.cat(pieces, dim=0))
+        self.o.load(tpmod.shard_heads(state[prefix + "o_proj.weight"], D, h.q_start, h.num_q_heads, dim=1))
         names = ["q_norm", "k_norm"] + (["index_q_norm", "index_k_norm"] if self.sparse else [])
         for name in names:
             getattr(self, name).weight.copy_(state[prefix + name + ".weight"])
@@ -245,7 +263,7 @@ class M3Attention(nn.Module):
         hq, hkv = self.heads.num_q_heads, self.heads.num_kv_heads
         eps = cfg.rms_norm_eps
         # view the contiguous projection as heads, then split: a view of a split slice would guard on T
-        parts = F.linear(x, self.qkv_weight).view(T, -1, D).split(self.head_splits, dim=1)
+        parts = self.qkv.linear(x).view(T, -1, D).split(self.head_splits, dim=1)
         q = norm_rope(parts[0], self.q_norm.weight, eps, cos, sin)  # [T, hq, D]
         k = norm_rope(parts[1], self.k_norm.weight, eps, cos, sin)  # [T, hkv, D]
         v = parts[2]  # V gets neither norm nor RoPE
@@ -275,7 +293,7 @@ class M3Attention(nn.Module):
                 q, kv_cache, topk_idx, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, cfg.sm_scale,
                 meta.kv_cache_dtype,
             )  # fmt: skip
-        out = F.linear(out.reshape(T, hq * D), self.o_weight)  # [T, H] partial sum over this rank's heads
+        out = self.o.linear(out.reshape(T, hq * D))  # [T, H] partial sum over this rank's heads
         return self.tp.all_reduce(out), topk_idx
 
 

@@ -1,7 +1,7 @@
 """Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with layers.py.
 
 Dense fp32 math per request: explicit causal masks, a lightning indexer written as "score every key, max per
-block, sort", explicit top-k block masks, dequantized MXFP8 weights (its own MXFP8 quantizer), contiguous
+block, sort", explicit top-k block masks, dequantized MXFP8 weights (attention projections, MLPs, experts; its own MXFP8 quantizer), contiguous
 per-request K/V histories instead of pages.
 
 It models the network *as deployed in a model dtype*: values are rounded to the model dtype where the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ class ReferenceModel:
         self.w = {}
         for name, t in state.items():
             t = t.to(self.device).float()
-            if ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
+            if name.endswith("_proj.weight") or ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
                 experts = t if t.dim() == 3 else t[None]  # one expert at a time bounds the fp64 temporaries
                 t = torch.stack([mx_quant_dequant(e, self.device) for e in experts]).view(t.shape)
             self.w[name] = t
@@ -159,7 +159,7 @@ class ReferenceModel:
 
     def reset(self, num_requests: int) -> None:
         # history[layer][request] = dict(k [L, Hkv, D], v [L, Hkv, D], ik [L, Didx]) in cache-rounded fp32
-        empty = lambda: {"k": None, "v": None, "ik": None}  # noqa: E731
+        empty = lambda: {"k": None, "v": None, "ik": None}
         self.history = [[empty() for _ in range(num_requests)] for _ in range(self.cfg.num_hidden_layers)]
         self.seq_lens = [0] * num_requests
 
@@ -286,7 +286,7 @@ class ReferenceModel:
             if any(self.seq_lens):
                 raise ValueError("step: the number of requests changed mid-run")
             self.reset(len(q_lens))
-        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()  # noqa: E731
+        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()
         h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
         hiddens, selections = [h], []
         self.route_margin, self.route_swaps, self.forced = {}, {}, forced is not None
