@@ -16,12 +16,12 @@ are read, once per column tile.
 import torch
 import triton
 import triton.language as tl
+from mm3_compile.kernels._launch import empty_row_major, launch
+from mm3_compile.kernels.fp8 import format_constants, fp8_decode
+from mm3_compile.kernels.moe.schedule import GemmConfig
 
 from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
-from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.fp8 import fp8_decode, format_constants
-from mm3_compile.kernels.moe.schedule import GemmConfig
 from mm3_compile.platform import FP8Format
 
 

@@ -19,7 +19,12 @@ class GemmConfig:
     num_stages: int
 
     def launch_options(self) -> dict:
-        return dict(BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, num_warps=self.num_warps, num_stages=self.num_stages)
+        return {
+            "BLOCK_N": self.BLOCK_N,
+            "BLOCK_K": self.BLOCK_K,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
 
 
 INTERPRETER = GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
