@@ -54,6 +54,16 @@ def _mx_tile(
 
 
 @triton.jit
+def _round_bf16(v, INT_ROUND: tl.constexpr):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32. The interpreter's cast truncates: integer RNE there."""
+    if INT_ROUND:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 (NaN test)
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _mxfp8_gemm_kernel(
     x_ptr,  # [M, K] float, or MXFP8 bytes/typed values when X_MX
     x_scales_ptr,  # [M, K / 32] uint8 (X_MX only)
@@ -71,6 +81,8 @@ def _mxfp8_gemm_kernel(
     TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
     X_MX: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # round the product to bf16 before the pair weight (MXFP8 x, or a bf16 output)
+    INT_ROUND: tl.constexpr,  # the interpreter: bf16 rounding with integer ops
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -136,6 +148,8 @@ def _mxfp8_gemm_kernel(
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xt, tl.trans(w), acc)
+        if ROUND_BF16:
+            acc = _round_bf16(acc, INT_ROUND)
         if HAS_WEIGHTS:
             acc = acc * tl.load(pair_weights_ptr + out_rows, mask=valid, other=0.0)[:, None]
         out_ptrs = out_ptr + out_rows[:, None] * N + cols[None, :]
@@ -174,7 +188,11 @@ def mxfp8_gemm(
     top_k: int = 1,
     pair_weights: torch.Tensor | None = None,  # [M * top_k] fp32
 ) -> torch.Tensor:
-    """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``."""
+    """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``.
+
+    The fp32 accumulator is rounded to bf16 for a bf16 output and for an MXFP8 x (the expert's output in the
+    model dtype, as a bf16 GEMM would store it) before the optional pair weight, applied in fp32.
+    """
     M, K = x.shape
     E, N = values.shape[0], values.shape[1]
     rows = M * top_k
@@ -191,6 +209,7 @@ def mxfp8_gemm(
         pair_weights if pair_weights is not None else dummy,
         rows, E, _units(N, "N"), K // MX_BLOCK_SIZE,
         GROUPED=grouped, TOP_K=top_k, X_MX=x_scales is not None, HAS_WEIGHTS=pair_weights is not None,
+        ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16, INT_ROUND=platform.interpreting(),
         BLOCK_M=config.BLOCK_M, DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
         E8M0_BIAS_=E8M0_BIAS, **config.launch_options(), **fp8,
     )  # fmt: skip

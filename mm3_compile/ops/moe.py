@@ -149,8 +149,14 @@ def _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, t
     )  # fmt: skip
 
 
-def _grouped_out(x, w_values, top_k, x_scales):
-    dtype = x.dtype if x_scales is None else torch.float32
+def _grouped_dtype(x, x_scales, pair_weights) -> torch.dtype:
+    if x_scales is None:
+        return x.dtype
+    return torch.float32 if pair_weights is not None else torch.bfloat16
+
+
+def _grouped_out(x, w_values, top_k, x_scales, pair_weights):
+    dtype = _grouped_dtype(x, x_scales, pair_weights)
     return empty_row_major((x.shape[0] * top_k, w_values.shape[1]), dtype, x.device)
 
 
@@ -176,8 +182,9 @@ def mxfp8_grouped_gemm(
         pair_weights: optional ``[M * top_k]`` fp32 factor per pair (the router weights) applied in fp32.
 
     Returns:
-        ``[M * top_k, N]`` in pair order: x's dtype for float x, fp32 for MXFP8 x. Only experts that received
-        pairs are read.
+        ``[M * top_k, N]`` in pair order: x's dtype for float x; for MXFP8 x the product rounded to bf16 (the
+        expert output in the model dtype), weighted in fp32 when ``pair_weights`` is given (fp32 result), else
+        bf16. Only experts that received pairs are read.
 
     Examples:
         >>> pairs, blocks = torch.ops.mm3.moe_align(ids, E, block_m)
@@ -192,7 +199,7 @@ def mxfp8_grouped_gemm(
     with eager_launches():
         return gemm_kernels.mxfp8_gemm(
             x.contiguous(), None if x_scales is None else x_scales.view(torch.uint8).contiguous(), w_values,
-            w_scales.view(torch.uint8), fmt, config, torch.float32 if x_scales is not None else x.dtype,
+            w_scales.view(torch.uint8), fmt, config, _grouped_dtype(x, x_scales, pair_weights),
             sorted_pairs, block_expert, top_k, pair_weights,
         )  # fmt: skip
 
@@ -200,50 +207,63 @@ def mxfp8_grouped_gemm(
 @mxfp8_grouped_gemm.register_fake
 def _(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k=1, x_scales=None, pair_weights=None):
     _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights)
-    return _grouped_out(x, w_values, top_k, x_scales)
+    return _grouped_out(x, w_values, top_k, x_scales, pair_weights)
 
 
 # ---------------------------------------------------------------------------------------------------
 # mxfp8_linear
 
 
-def _check_linear(x, values, scales):
+def _check_linear(x, values, scales, x_scales):
     _check_weight(values, scales, 2)
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    if x_scales is None:
+        check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    else:
+        check_tensor("x", x, dtypes=(platform.mxfp8_value_dtype(x.device),), min_ndim=1)
+        check_tensor("x_scales", x_scales, dtypes=SCALE_DTYPES, min_ndim=1)
+        expected = (*x.shape[:-1], x.shape[-1] // MX_BLOCK_SIZE)
+        if tuple(x_scales.shape) != tuple(expected):
+            raise ValueError(f"x_scales: expected shape {tuple(expected)}, got {tuple(x_scales.shape)}")
     if x.shape[-1] != values.shape[1]:
         raise ValueError(f"x: expected the last dim {values.shape[1]} (the weight's input width), got {tuple(x.shape)}")
-    check_same_device("x", x, values=values)
+    check_same_device("x", x, values=values, x_scales=x_scales)
 
 
 @torch.library.custom_op("mm3::mxfp8_linear", mutates_args=())
-def mxfp8_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp8_linear(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, x_scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ dequant(W)^T`` for one MXFP8 weight, dequantized in registers (the one-expert GEMM).
 
     Args:
-        x: ``[..., K]`` bf16/fp16/fp32.
+        x: ``[..., K]`` bf16/fp16/fp32, or MXFP8 values in the platform dtype with ``x_scales [..., K/32]``
+            (the output of ``swiglu_oai_mxfp8_quant``, consumed without dequantizing it to memory).
         values: ``[N, K]`` platform MXFP8 values; scales: ``[N, K/32]`` E8M0 bytes.
 
     Returns:
-        ``[..., N]`` in x's dtype (fp32 accumulation, rounded once).
+        ``[..., N]``: x's dtype for float x, bf16 for MXFP8 x (fp32 accumulation, rounded once).
 
     Examples:
         >>> y = torch.ops.mm3.mxfp8_linear(x, weight.values, weight.scales)
     """
-    _check_linear(x, values, scales)
+    _check_linear(x, values, scales, x_scales)
     require_kernel_device("x", x)
     N, K = values.shape
     x2 = x.reshape(-1, K).contiguous()
+    xs = None if x_scales is None else x_scales.view(torch.uint8).reshape(-1, K // MX_BLOCK_SIZE).contiguous()
     config = gemm_schedule(x2.shape[0], N, K, 1, x.device)
     fmt = platform.fp8_format(values.dtype)
+    out_dtype = x.dtype if x_scales is None else torch.bfloat16
     with eager_launches():
-        out = gemm_kernels.mxfp8_gemm(x2, None, values[None], scales.view(torch.uint8)[None], fmt, config, x.dtype)
+        out = gemm_kernels.mxfp8_gemm(x2, xs, values[None], scales.view(torch.uint8)[None], fmt, config, out_dtype)
     return out.view(*x.shape[:-1], N)
 
 
 @mxfp8_linear.register_fake
-def _(x, values, scales):
-    _check_linear(x, values, scales)
-    return empty_row_major((*x.shape[:-1], values.shape[0]), x.dtype, x.device)
+def _(x, values, scales, x_scales=None):
+    _check_linear(x, values, scales, x_scales)
+    dtype = x.dtype if x_scales is None else torch.bfloat16
+    return empty_row_major((*x.shape[:-1], values.shape[0]), dtype, x.device)
 
 
 # ---------------------------------------------------------------------------------------------------
