@@ -54,6 +54,13 @@ def _mx_tile(
 
 
 @triton.jit
+def _load_codes(ptrs, mask, NATIVE_FP8: tl.constexpr):
+    if NATIVE_FP8:
+        return tl.load(ptrs, mask=mask, other=0.0)  # typed FP8
+    return tl.load(ptrs, mask=mask, other=0)  # raw bytes
+
+
+@triton.jit
 def _round_bf16(v, INT_ROUND: tl.constexpr):
     """fp32 -> the nearest bf16 (ties to even), kept in fp32. The interpreter's cast truncates: integer RNE there."""
     if INT_ROUND:
@@ -107,7 +114,7 @@ def _mxfp8_gemm_kernel(
         pairs = tl.load(pairs_ptr + offs)
         valid = (pairs >= 0) & (pairs < rows)  # a stray entry is skipped, never read or written out of bounds
     else:
-        expert = 0
+        expert = pid_b * 0  # a tensor like the grouped branch's, for the same code below
         pairs = offs
         valid = offs < rows
     if expert >= 0:
@@ -123,7 +130,9 @@ def _mxfp8_gemm_kernel(
             kb = k0 // 32 + tl.arange(0, NBK)
             k_ok = ks < K
             kb_ok = kb < k_blocks
-            w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            w_codes = _load_codes(
+                w_ptr + w_rows[:, None] * K + ks[None, :], col_ok[:, None] & k_ok[None, :], NATIVE_FP8
+            )
             w_sb = tl.load(
                 w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
             )
@@ -133,7 +142,7 @@ def _mxfp8_gemm_kernel(
             )  # fmt: skip
             x_mask = valid[:, None] & k_ok[None, :]
             if X_MX:
-                x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0)
+                x_codes = _load_codes(x_ptr + x_rows[:, None] * K + ks[None, :], x_mask, NATIVE_FP8)
                 x_sb = tl.load(
                     x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :],
                     other=0,

@@ -38,7 +38,6 @@ from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
 from mm3_compile.ops._checks import values_checked
-from mm3_compile.ops.moe import moe_experts
 
 
 @dataclasses.dataclass
@@ -306,7 +305,7 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> fp32 [T, H] = sum_k weights * expert_k(x)."""
         cfg = self.config
-        return moe_experts(
+        return torch.ops.mm3.moe_experts(
             x, ids, weights, self.gate_up.values, self.gate_up.scales, self.down.values, self.down.scales,
             cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
         )  # fmt: skip

@@ -1,10 +1,10 @@
-"""MoE ops on MXFP8 weights: ``mm3::moe_align``, ``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``.
+"""MoE ops on MXFP8 weights: ``mm3::moe_align``, ``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``, ``mm3::moe_experts``.
 
 Weights are ``values [E, N, K]`` in the platform's MXFP8 value dtype (asked from the dtype authority for the
 input's device, at trace time under torch.compile) + E8M0 scale bytes ``[E, N, K/32]`` (uint8 or
-float8_e8m0fnu); the kernels dequantize them in registers. :func:`moe_experts` chains the ops into one routed
-MoE (align, GEMM1 on bf16 rows, fused SwiGLU-OAI + MXFP8 quant, GEMM2 on the MXFP8 activation with the
-router weights in its epilogue, sum over the top-k slots).
+float8_e8m0fnu); the kernels dequantize them in registers. ``mm3::moe_experts`` chains the ops into one routed MoE
+(align, GEMM1 on bf16 rows, fused SwiGLU-OAI + MXFP8 quant, GEMM2 on the MXFP8 activation with the router
+weights in its epilogue, sum over the top-k slots).
 """
 
 import torch
@@ -270,23 +270,58 @@ def _(x, values, scales, x_scales=None):
 # The routed MoE from the ops
 
 
-def moe_experts(
-    x: torch.Tensor,  # [T, H]
-    ids: torch.Tensor,  # [T, k]
-    weights: torch.Tensor,  # [T, k] router weights
-    gate_up_values: torch.Tensor,  # [E, 2I, H]
-    gate_up_scales: torch.Tensor,  # [E, 2I, H/32]
-    down_values: torch.Tensor,  # [E, H, I]
-    down_scales: torch.Tensor,  # [E, H, I/32]
-    alpha: float,
-    beta: float,
-    limit: float | None,
-) -> torch.Tensor:
-    """fp32 ``[T, H] = sum_j weights[:, j] * down(swiglu_mx(gate_up(x)))`` through the expert ``ids[:, j]``.
+def _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit):
+    _check_weight(gate_up_values, gate_up_scales, 3, "gate_up_")
+    _check_weight(down_values, down_scales, 3, "down_")
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("ids", ids, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor("weights", weights, dtypes=FLOAT_DTYPES, ndim=2)
+    E, two_i, H = gate_up_values.shape
+    if tuple(down_values.shape) != (E, H, two_i // 2):
+        raise ValueError(
+            f"down_values: expected shape {(E, H, two_i // 2)} (gate_up is {tuple(gate_up_values.shape)}), got {tuple(down_values.shape)}"
+        )
+    if x.shape[1] != H:
+        raise ValueError(f"x: expected {H} columns (the experts' hidden size), got shape {tuple(x.shape)}")
+    if guard_or_false(ids.shape[0] != x.shape[0]) or tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"ids/weights: expected [T, k] with T = {x.shape[0]}, got {tuple(ids.shape)} and {tuple(weights.shape)}"
+        )
+    check_same_device("x", x, ids=ids, weights=weights, gate_up_values=gate_up_values, down_values=down_values)
 
-    The activation between the GEMMs is the MXFP8 output of ``swiglu_oai_mxfp8_quant`` (never dequantized to
-    memory); the router weights scale GEMM2's fp32 accumulator; the k slots are summed in a fixed order.
+
+@torch.library.custom_op("mm3::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_values: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_values: torch.Tensor,
+    down_scales: torch.Tensor,
+    alpha: float = 1.702,
+    beta: float = 1.0,
+    limit: float | None = 7.0,
+) -> torch.Tensor:
+    """The routed MoE: fp32 ``[T, H] = sum_j weights[:, j] * down(swiglu_mx(gate_up(x)))`` of expert ``ids[:, j]``.
+
+    Args:
+        x: ``[T, H]`` hidden states; ids / weights: ``[T, k]`` the router's experts and weights.
+        gate_up_values / gate_up_scales: ``[E, 2I, H]`` / ``[E, 2I, H/32]`` MXFP8 (gate rows then up rows).
+        down_values / down_scales: ``[E, H, I]`` / ``[E, H, I/32]`` MXFP8.
+        alpha, beta, limit: the SwiGLU-OAI constants.
+
+    Returns:
+        ``[T, H]`` fp32. The chain ``moe_align -> mxfp8_grouped_gemm -> swiglu_oai_mxfp8_quant ->
+        mxfp8_grouped_gemm`` in one op, so the row tile is chosen from the shapes and the SM count inside the op
+        (at trace time under torch.compile, never by Dynamo): the activation between the GEMMs is the MXFP8
+        output of ``swiglu_oai_mxfp8_quant``, never dequantized to memory; the router weights scale GEMM2's fp32
+        accumulator; the k slots are summed in a fixed order (deterministic).
+
+    Examples:
+        >>> out = torch.ops.mm3.moe_experts(x, ids, weights, w1.values, w1.scales, w2.values, w2.scales)
     """
+    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit)
     T, k = ids.shape
     E, two_i, H = gate_up_values.shape
     block_m = gemm_schedule(T * k, two_i, H, E, x.device).BLOCK_M
@@ -297,3 +332,9 @@ def moe_experts(
         act, down_values, down_scales, pairs, blocks, block_m, 1, act_scales, weights.reshape(-1).float()
     )  # [T*k, H] fp32, weighted
     return ys.view(T, k, -1).sum(1)
+
+
+@moe_experts.register_fake
+def _(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha=1.702, beta=1.0, limit=7.0):
+    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit)
+    return empty_row_major((x.shape[0], gate_up_values.shape[2]), torch.float32, x.device)
