@@ -47,17 +47,10 @@ def _mx_tile(
     s = scale_bytes.to(tl.int32)
     # 2^(s - 127) as fp32 bits: a normal exponent field for s >= 1; s = 0 is the subnormal 2^-127; 255 is NaN
     bits = tl.where(s == 0, 0x400000, s << 23)
-    bits = tl.where(s == 2 * E8M0_BIAS + 1, 0x7FC00000, bits)
+    bits = tl.where(s == 2 * E8M0_BIAS_ + 1, 0x7FC00000, bits)
     factor = bits.to(tl.float32, bitcast=True)
     blocks = tl.reshape(v, (R, C // 32, 32)) * tl.reshape(factor, (R, C // 32, 1))
     return tl.reshape(blocks, (R, C)).to(OUT_DTYPE)
-
-
-@triton.jit
-def _load_codes(ptrs, mask, NATIVE_FP8: tl.constexpr):
-    if NATIVE_FP8:
-        return tl.load(ptrs, mask=mask, other=0.0)  # typed FP8
-    return tl.load(ptrs, mask=mask, other=0)  # raw bytes
 
 
 @triton.jit
@@ -130,9 +123,9 @@ def _mxfp8_gemm_kernel(
             kb = k0 // 32 + tl.arange(0, NBK)
             k_ok = ks < K
             kb_ok = kb < k_blocks
-            w_codes = _load_codes(
-                w_ptr + w_rows[:, None] * K + ks[None, :], col_ok[:, None] & k_ok[None, :], NATIVE_FP8
-            )
+            # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
             w_sb = tl.load(
                 w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
             )
@@ -142,7 +135,7 @@ def _mxfp8_gemm_kernel(
             )  # fmt: skip
             x_mask = valid[:, None] & k_ok[None, :]
             if X_MX:
-                x_codes = _load_codes(x_ptr + x_rows[:, None] * K + ks[None, :], x_mask, NATIVE_FP8)
+                x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
                 x_sb = tl.load(
                     x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :],
                     other=0,
