@@ -1,7 +1,8 @@
 """A whole decoder step of the M3 model: eager vs ``torch.compile`` step time, cold and warm compile time.
 
 GPU: ``m3_1layer`` (one sparse + MoE layer at the real widths), a batch of 32 requests after
-2048-token prompts, bf16 KV.  CPU: the tiny model, to check the harness only.  The step time is
+2048-token prompts, bf16 KV.  CPU: the tiny model, to check the harness only.  The compiled step is also
+reported against its HBM floor (:func:`hbm_floor_bytes` at the run's copy ceiling: ``pct_of_ceiling``).  The step time is
 the median over the decode steps after the first (which pays for compilation in the compiled
 run).  Cold compile = first compiled prefill + first decode step, in a process whose Inductor
 caches have not seen the model; warm = the same after ``torch._dynamo.reset()`` (Inductor's
@@ -36,6 +37,38 @@ def _workload(ctx: Context):
     model = build_model(config, seed=0, device=ctx.device, dtype=torch.bfloat16, state=state)
     runtime = PagedKVRuntime(model, num_blocks=batch * blocks, max_blocks_per_request=blocks, kv_cache_dtype="auto")
     return config, model, runtime, batch, prompt, steps
+
+
+def hbm_floor_bytes(model, batch: int, seq_len: int, kv_bytes: int = 2) -> int:
+    """Bytes one decode step must read from HBM: every weight once (the routed experts only as many as a uniform
+    router is expected to pick, ``E * (1 - (1 - k/E)^B)`` per MoE layer, the embedding only its B rows), the KV
+    pages attention visits (the top-k blocks of a sparse layer, the whole history of a dense one) and every
+    index-K row the indexer scores."""
+    from mm3_compile.contract import PAGE_SIZE
+    from mm3_compile.models.layers import RoutedExperts
+
+    cfg = model.config
+    H, D, Didx, Hkv = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.num_key_value_heads
+    expert_ids = set()
+    total = batch * H * model.embed.element_size()
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            E, k = cfg.num_experts, cfg.num_experts_per_tok
+            tensors = [module.gate_up.values, module.gate_up.scales, module.down.values, module.down.scales]
+            expert_ids.update(id(t) for t in tensors)
+            total += int(E * (1 - (1 - k / E) ** batch) * sum(t.nbytes for t in tensors) / E)
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in expert_ids and t is not model.embed:
+            total += t.nbytes
+    blocks = -(-seq_len // PAGE_SIZE)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_sparse_layer(i):
+            visited = min(blocks, cfg.sparse_topk_blocks) * PAGE_SIZE
+            total += batch * seq_len * Didx * model.embed.element_size()  # index-K rows
+        else:
+            visited = seq_len
+        total += batch * visited * Hkv * 2 * D * kv_bytes
+    return total
 
 
 def _compare(compiled, eager) -> Check:
@@ -118,9 +151,13 @@ def run(ctx: Context) -> None:
     eager_ms, compiled_ms = decode_ms(eager), decode_ms(steady)
     common = dict(correct=check.ok, max_err=check.max_err, n_sets=1, graph_replay=False)
     ctx.record(**base, provider="eager", mode="launched", ms=eager_ms, us=eager_ms * 1e3, note=check.note, **common)
+    floor = hbm_floor_bytes(model, batch, prompt + steps)
+    rates = ctx.rates(compiled_ms, None, floor, "copy")  # ms, us, gbps and the % of the floor's copy rate
+    floor_ms = floor / ctx.ceilings["copy"] / 1e6 if ctx.ceilings.get("copy") else None
+    floor_note = f"HBM floor {floor / 1e9:.3g} GB" + (f" = {floor_ms:.3g} ms at the copy ceiling" if floor_ms else "")
     ctx.record(
-        **base, provider="compiled", mode="launched", ms=compiled_ms, us=compiled_ms * 1e3,
-        note=f"{compiled_ms / eager_ms:.2f}x eager; {check.note}", **common,
+        **dict(base, ceiling_kind="copy"), provider="compiled", mode="launched", bytes=floor,
+        note=f"{compiled_ms / eager_ms:.2f}x eager; {floor_note}; {check.note}", **common, **rates,
     )  # fmt: skip
     if ctx.cuda:
         graphed_run = _graphed_workload(model, runtime, warm_fns, batch, prompt, steps)  # warm_fns: compiled already

@@ -340,6 +340,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
         expected=[(s, "-") for s in QUANT_TARGET_SHAPES],
         family="quant",
     )
+    _moe_targets(rows, verdict)
     layer = {r["provider"]: r for r in _ok_rows(rows, family="layer")}
     if {"eager", "compiled", "compile_cold", "compile_warm"} <= set(layer):
         ratio = layer["compiled"]["ms"] / layer["eager"]["ms"]
@@ -353,6 +354,37 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     else:
         results.append(("compiled decoder layer step", LAYER_NEED, "no rows", "MISSING"))
     return results
+
+
+MOE_DECODE_US = {1: 140.0, 32: 1400.0, 128: 2100.0}  # issue #20: compiled MoE block, graph replay
+MOE_PREFILL_PCT = 55.0  # of the bf16 matmul ceiling at 8192 tokens
+
+
+def _moe_tokens(shape: str) -> int:
+    m = re.match(r"T(\d+)\b", shape)
+    return int(m.group(1)) if m else 0
+
+
+def _moe_targets(rows, verdict) -> None:
+    """Issue #20: the compiled MoE block per decode token count, and prefill against the matmul ceiling."""
+    moe = [r for r in _ok_rows(rows, family="moe") if r["provider"] == "ours_compiled"]
+    for tokens, need_us in MOE_DECODE_US.items():
+        picked = [r for r in moe if r["mode"] == "graph" and _moe_tokens(r["shape"]) == tokens]
+        verdict(
+            f"MoE block {tokens} token(s), compiled (graph)", f"<= {need_us:g} us", picked, lambda r: -r["us"],
+            lambda r, need_us=need_us: r["us"] <= need_us, family="moe",
+        )  # fmt: skip
+    prefill = [dict(r) for r in moe if _moe_tokens(r["shape"]) == 8192]
+    for r in prefill:
+        base = [
+            b for b in _ok_rows(rows, family="moe", shape=r["shape"]) if b["provider"] == "dequant+grouped_mm_compiled"
+        ]
+        r["ratio"] = base[0]["ms"] / r["ms"] if base else None
+    verdict(
+        "MoE prefill 8192 tokens, compiled", f">= {MOE_PREFILL_PCT:g}% of matmul and faster than dequant+grouped_mm",
+        prefill, lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= MOE_PREFILL_PCT and (r["ratio"] or 0) > 1.0, family="moe",
+    )  # fmt: skip
 
 
 def _describe(r) -> str:

@@ -19,8 +19,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ("quant", "decode", "prefill", "indexer", "layer")
-SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0, "indexer": 1.0, "layer": 1.5}  # of the time budget, as families start
+FAMILIES = ("quant", "decode", "prefill", "indexer", "moe", "layer")
+SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0, "indexer": 1.0, "moe": 2.0, "layer": 1.5}  # of the time budget, as families start
 
 
 def parse_args(argv=None):
@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)"
     )
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer,layer")
+    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer,moe,layer")
     p.add_argument("--out", default=None, help="output folder (default bench/results, bench/results/cpu with --cpu)")
     p.add_argument(
         "--readme",
@@ -194,13 +194,14 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     measure_ceilings(ctx)
     print(f"ceilings: copy {ctx.ceilings.get('copy')} GB/s, matmul {ctx.ceilings.get('matmul')} TFLOP/s", flush=True)
-    from bench import attention, indexer, layer, quant
+    from bench import attention, indexer, layer, moe, quant
 
     runners = {
         "quant": lambda: quant.run(ctx),
         "decode": lambda: attention.Decode(ctx).run(),
         "prefill": lambda: attention.Prefill(ctx).run(),
         "indexer": lambda: indexer.run(ctx),
+        "moe": lambda: moe.run(ctx),
         "layer": lambda: layer.run(ctx),
     }
     for family in args.families:

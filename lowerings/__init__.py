@@ -42,7 +42,8 @@ def install() -> None:
     register_functional_decomposition(ops.quant.mxfp8_quantize, defer=fusion_installed)
     register_functional_decomposition(ops.quant.swiglu_oai_mxfp8_quant)
     for opdef in (ops.kv_cache.kv_cache_write, ops.indexer.index_topk, ops.sparse_attn.sparse_attn_prefill,
-                  ops.sparse_attn.sparse_attn_decode):
+                  ops.sparse_attn.sparse_attn_decode, ops.moe.moe_align, ops.moe.mxfp8_grouped_gemm,
+                  ops.moe.mxfp8_linear, ops.moe.moe_experts):
         register_functional_decomposition(opdef)
 
 

@@ -45,6 +45,7 @@ EXPECTED_PROVIDERS = {
         "sdpa_dense_causal",
     },
     "indexer": {"op", "op_compiled", "torch_ref", "torch_ref_compiled"},
+    "moe": {"ours_compiled", "dequant+grouped_mm_compiled", "grouped_mm_predequantized"},
     "layer": {"eager", "compiled", "compile_cold", "compile_warm"},
 }
 

@@ -15,15 +15,13 @@ Design choices worth knowing:
 * The index-K cache (model dtype, one shared head, ``[num_blocks, 1, 128, Didx]``) is written with
   ``mm3::kv_cache_write`` like the main cache: the two halves of a row are the op's key and value, and
   padding tokens (slot < 0) are skipped by the op.
-* MoE dispatch is static-shape and gather-based: the ``T * top_k`` (token, expert) pairs are sorted by
-  expert and run through ``torch._grouped_mm`` with per-expert offsets computed on device (a bf16
-  CUTLASS grouped GEMM on sm90, a loop of GEMMs elsewhere).  Expert weights are stored MXFP8 (values +
-  E8M0 scales from ``mm3::mxfp8_quantize``) and dequantized to bf16 right before each GEMM (Hopper has no
-  MX GEMM); the activation between the GEMMs goes through ``mm3::swiglu_oai_mxfp8_quant`` and is
-  dequantized again.  GPU cost: the dequantization rewrites every expert's weight per forward (~2x the
-  MXFP8 bytes in bf16 traffic), the price of not having an MX/FP8 grouped GEMM.
-* The dense MLP, the shared expert and the attention projections (q/k/v/o, index q/k: MXFP8 in the
-  release) use the same MXFP8 weight path (plain GEMMs on the dequantized weight).
+* MoE dispatch is static-shape: ``mm3::moe_align`` groups the ``T * top_k`` (token, expert) pairs by expert
+  on device (each group padded to the GEMM row tile), ``mm3::mxfp8_grouped_gemm`` runs both expert GEMMs on
+  the MXFP8 weights (values + E8M0 scales from ``mm3::mxfp8_quantize``), dequantized in registers, reading only
+  the experts that received pairs; the activation between the GEMMs is the MXFP8 output of
+  ``mm3::swiglu_oai_mxfp8_quant``, consumed as is; the router weights scale GEMM2's fp32 accumulator.
+* The dense MLP, the shared expert and the attention projections (q/k/v/o, index q/k: MXFP8 in the release)
+  use ``mm3::mxfp8_linear`` (the one-expert GEMM, :meth:`MXFP8Weight.linear`).
 """
 
 from __future__ import annotations
@@ -36,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm3_compile import platform
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE  # noqa: F401 (PAGE_SIZE: runtime imports it from here)
 from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
 from mm3_compile.ops._checks import values_checked
-from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE
 
 
 @dataclasses.dataclass
@@ -149,35 +147,12 @@ class MXFP8Weight(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return mxfp8_dequantize(self.values, self.scales, dtype)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` with W dequantized to x's dtype (x [..., in] -> [..., out])."""
-        return F.linear(x, self.dequantize(x.dtype))
+    def linear(self, x: torch.Tensor, x_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ W^T -> [..., out] in x's dtype, the weight dequantized in registers (``mm3::mxfp8_linear``).
 
-
-@torch.library.custom_op("mm3_models::e8m0_bytes", mutates_args=())
-def e8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
-    """A uint8 copy of E8M0 scales, opaque to Inductor.
-
-    Inductor's CPU (C++) backend has no type for ``float8_e8m0fnu`` and fails on any kernel that reads such a
-    buffer, even through a bit-cast view; routing the bytes through this op keeps that dtype out of generated
-    C++.  Triton codegen maps E8M0 to uint8 itself, so on GPUs the plain view is used.
-    """
-    return scales.view(torch.uint8).clone()
-
-
-@e8m0_bytes.register_fake
-def _(scales):
-    return torch.empty(scales.shape, dtype=torch.uint8, device=scales.device)
-
-
-def swiglu_oai_mx(gate_up: torch.Tensor, config: MiniMaxM3Config) -> torch.Tensor:
-    """SwiGLU-OAI with the MXFP8-quantized output the next GEMM consumes, dequantized back to gate_up's dtype."""
-    values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(
-        gate_up, config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
-    )
-    if gate_up.device.type == "cpu":
-        scales = torch.ops.mm3_models.e8m0_bytes(scales)
-    return mxfp8_dequantize(values, scales, gate_up.dtype)
+        With ``x_scales`` x is an MXFP8 activation (values + E8M0 scales) and the result is bf16.
+        """
+        return torch.ops.mm3.mxfp8_linear(x, self.values, self.scales, x_scales)
 
 
 class MXFP8MLP(nn.Module):
@@ -198,8 +173,13 @@ class MXFP8MLP(nn.Module):
         self.down.load(tpmod.shard_down(state[prefix + "down.weight"], self.tp, dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up.dequantize(x.dtype))  # [T, 2I]
-        return F.linear(swiglu_oai_mx(gate_up, self.config), self.down.dequantize(x.dtype))  # [T, H]
+        cfg = self.config
+        gate_up = self.gate_up.linear(x)  # [T, 2I]
+        values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(
+            gate_up, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit
+        )
+        # the MXFP8 activation goes into the down GEMM as is
+        return self.down.linear(values, scales).to(x.dtype)  # [T, H]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,20 +318,11 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> fp32 [T, H] = sum_k weights * expert_k(x)."""
-        T, k = ids.shape
-        E = self.config.num_experts
-        flat = ids.flatten()  # [T*k]
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert: static shape, data-dependent order
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
-        xs = x[order // k]  # [T*k, H]
-        w1 = self.gate_up.dequantize(x.dtype).transpose(-2, -1)  # [E, H, 2I]
-        gate_up = torch._grouped_mm(xs, w1, offs=offsets)  # [T*k, 2I]
-        act = swiglu_oai_mx(gate_up, self.config)  # [T*k, I]
-        w2 = self.down.dequantize(x.dtype).transpose(-2, -1)  # [E, I, H]
-        ys = torch._grouped_mm(act, w2, offs=offsets)  # [T*k, H]
-        y = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)  # back to (token, slot) order
-        return (y.float() * weights.unsqueeze(-1)).sum(1)
+        cfg = self.config
+        return torch.ops.mm3.moe_experts(
+            x, ids, weights, self.gate_up.values, self.gate_up.scales, self.down.values, self.down.scales,
+            cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
+        )  # fmt: skip
 
 
 class M3MoE(nn.Module):

@@ -1,0 +1,218 @@
+"""Grouped GEMM over MXFP8 expert weights, dequantized in registers, and the one-expert MXFP8 linear.
+
+``out[p, n] = sum_k x[row(p), k] * W[e(p), n, k]`` with ``W = values * 2^(scale - 127)`` per 32 values along k.
+One program computes a ``[BLOCK_M, BLOCK_N]`` tile: ``BLOCK_M`` rows of one expert (an aligned row block from
+:func:`align.moe_align`) or of the plain row range (the linear), looping over k in ``BLOCK_K`` steps. Each step
+loads the weight bytes and their scale bytes, decodes them (typed hardware conversion where the platform has it,
+integer decode of the raw bytes otherwise: the interpreter and emulated targets), multiplies by the power of two
+of the scale (exact in bf16: an FP8 value times a power of two keeps its 3-4 significant bits) and feeds
+``tl.dot`` with bf16 operands and fp32 accumulation. An MXFP8 ``x`` (the output of
+``swiglu_oai_mxfp8_quant``) is decoded the same way, so neither operand is dequantized to memory.
+
+Programs of row blocks that belong to no expert exit before reading anything: only experts that received rows
+are read, once per column tile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from mm3_compile.kernels._launch import empty_row_major, launch
+from mm3_compile.kernels.fp8 import format_constants, fp8_decode
+from mm3_compile.kernels.moe.schedule import GemmConfig
+
+from mm3_compile import platform
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
+from mm3_compile.platform import FP8Format
+
+
+@triton.jit
+def _mx_tile(
+    codes,  # [R, C] typed FP8 (NATIVE_FP8) or uint8 bytes
+    scale_bytes,  # [R, C / 32] uint8 E8M0
+    R: tl.constexpr,
+    C: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    E8M0_BIAS_: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    """values x 2^(scale - 127) -> [R, C] in OUT_DTYPE (exact: bf16 holds every scaled FP8 value)."""
+    if NATIVE_FP8:
+        v = codes.to(tl.float32)
+    else:
+        v = fp8_decode(codes, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+    s = scale_bytes.to(tl.int32)
+    # 2^(s - 127) as fp32 bits: a normal exponent field for s >= 1; s = 0 is the subnormal 2^-127; 255 is NaN
+    bits = tl.where(s == 0, 0x400000, s << 23)
+    bits = tl.where(s == 2 * E8M0_BIAS_ + 1, 0x7FC00000, bits)
+    factor = bits.to(tl.float32, bitcast=True)
+    blocks = tl.reshape(v, (R, C // 32, 32)) * tl.reshape(factor, (R, C // 32, 1))
+    return tl.reshape(blocks, (R, C)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _round_bf16(v, INT_ROUND: tl.constexpr):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32. The interpreter's cast truncates: integer RNE there."""
+    if INT_ROUND:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # noqa: PLR0124 (NaN test)
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _mxfp8_gemm_kernel(
+    x_ptr,  # [M, K] float, or MXFP8 bytes/typed values when X_MX
+    x_scales_ptr,  # [M, K / 32] uint8 (X_MX only)
+    w_ptr,  # [E, N, K] MXFP8 values: typed FP8 (NATIVE_FP8) or uint8 bytes
+    w_scales_ptr,  # [E, N, K / 32] uint8
+    out_ptr,  # [P, N]
+    pairs_ptr,  # [NB * BLOCK_M] int32 pair per aligned row, -1 pads (GROUPED)
+    block_expert_ptr,  # [NB] int32 expert per row block, -1 = no rows (GROUPED)
+    pair_weights_ptr,  # [P] fp32 (HAS_WEIGHTS)
+    rows,  # P: output rows
+    num_experts,  # E: block_expert entries outside [0, E) have no rows
+    n_units,  # N / 16
+    k_blocks,  # K / 32
+    GROUPED: tl.constexpr,
+    TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
+    X_MX: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # round the product to bf16 before the pair weight (MXFP8 x, or a bf16 output)
+    INT_ROUND: tl.constexpr,  # the interpreter: bf16 rounding with integer ops
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
+    NATIVE_FP8: tl.constexpr,
+    E8M0_BIAS_: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    # sizes rebuilt from aligned units: the compiler sees their divisibility under Inductor's launch too
+    N = n_units * 16
+    K = k_blocks * 32
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    if GROUPED:
+        expert = tl.load(block_expert_ptr + pid_b)
+        expert = tl.where(expert < num_experts, expert, -1)
+        pairs = tl.load(pairs_ptr + offs)
+        valid = (pairs >= 0) & (pairs < rows)  # a stray entry is skipped, never read or written out of bounds
+    else:
+        expert = pid_b * 0  # a tensor like the grouped branch's, for the same code below
+        pairs = offs
+        valid = offs < rows
+    if expert >= 0:
+        out_rows = tl.where(valid, pairs, 0).to(tl.int64)
+        x_rows = out_rows // TOP_K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        col_ok = cols < N
+        w_rows = expert.to(tl.int64) * N + tl.where(col_ok, cols, 0)  # [BLOCK_N] rows of the flat [E*N, K]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        NBK: tl.constexpr = BLOCK_K // 32
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kb = k0 // 32 + tl.arange(0, NBK)
+            k_ok = ks < K
+            kb_ok = kb < k_blocks
+            # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+            w_sb = tl.load(
+                w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
+            )
+            w = _mx_tile(
+                w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, NATIVE_FP8, E8M0_BIAS_, FP8_MANT, FP8_BIAS, FP8_FNUZ,
+                FP8_HAS_INF,
+            )  # fmt: skip
+            x_mask = valid[:, None] & k_ok[None, :]
+            if X_MX:
+                x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
+                x_sb = tl.load(
+                    x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :],
+                    other=0,
+                )  # fmt: skip
+                xt = _mx_tile(
+                    x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, NATIVE_FP8, E8M0_BIAS_, FP8_MANT, FP8_BIAS, FP8_FNUZ,
+                    FP8_HAS_INF,
+                )  # fmt: skip
+            else:
+                xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
+            if DOT_DTYPE == tl.float32:
+                acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(w), acc)
+        if ROUND_BF16:
+            acc = _round_bf16(acc, INT_ROUND)
+        if HAS_WEIGHTS:
+            acc = acc * tl.load(pair_weights_ptr + out_rows, mask=valid, other=0.0)[:, None]
+        out_ptrs = out_ptr + out_rows[:, None] * N + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _fp8_args(values: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, dict]:
+    """The weight (or activation) bytes as the kernel reads them, and the constexprs saying how to decode them."""
+    native = platform.triton_native_fp8(fmt.dtype, values.device)
+    return (values if native else values.view(torch.uint8)), dict(NATIVE_FP8=native, **format_constants(fmt))
+
+
+def _dot_dtype(x_dtype: torch.dtype):
+    """bf16 tensor-core operands when x is bf16 (the weights are exact in bf16); fp32 keeps fp16/fp32 x exact."""
+    if platform.interpreting() or x_dtype != torch.bfloat16:
+        return tl.float32
+    return tl.bfloat16
+
+
+def _units(n: int, what: str) -> int:
+    if n % 16 != 0:
+        raise ValueError(f"{what}: expected a multiple of 16, got {n}")
+    return n // 16
+
+
+def mxfp8_gemm(
+    x: torch.Tensor,  # [M, K] contiguous float, or MXFP8 values when x_scales is given
+    x_scales: torch.Tensor | None,  # [M, K / 32] uint8
+    values: torch.Tensor,  # [E, N, K] MXFP8
+    scales: torch.Tensor,  # [E, N, K / 32] uint8
+    fmt: FP8Format,
+    config: GemmConfig,
+    out_dtype: torch.dtype,
+    sorted_pairs: torch.Tensor | None = None,  # [NB * BLOCK_M] int32 (grouped)
+    block_expert: torch.Tensor | None = None,  # [NB] int32 (grouped)
+    top_k: int = 1,
+    pair_weights: torch.Tensor | None = None,  # [M * top_k] fp32
+) -> torch.Tensor:
+    """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``.
+
+    The fp32 accumulator is rounded to bf16 for a bf16 output and for an MXFP8 x (the expert's output in the
+    model dtype, as a bf16 GEMM would store it) before the optional pair weight, applied in fp32.
+    """
+    M, K = x.shape
+    E, N = values.shape[0], values.shape[1]
+    rows = M * top_k
+    out = empty_row_major((rows, N), out_dtype, x.device)
+    grouped = block_expert is not None
+    nb = block_expert.shape[0] if grouped else triton.cdiv(M, config.BLOCK_M)
+    w, fp8 = _fp8_args(values, fmt)
+    xk = x if x_scales is None else _fp8_args(x, fmt)[0]
+    dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
+    grid = (nb, triton.cdiv(N, config.BLOCK_N))
+    launch(
+        _mxfp8_gemm_kernel, grid, xk, x_scales if x_scales is not None else dummy, w, scales, out,
+        sorted_pairs if grouped else dummy, block_expert if grouped else dummy,
+        pair_weights if pair_weights is not None else dummy,
+        rows, E, _units(N, "N"), K // MX_BLOCK_SIZE,
+        GROUPED=grouped, TOP_K=top_k, X_MX=x_scales is not None, HAS_WEIGHTS=pair_weights is not None,
+        ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16, INT_ROUND=platform.interpreting(),
+        BLOCK_M=config.BLOCK_M, DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
+        E8M0_BIAS_=E8M0_BIAS, **config.launch_options(), **fp8,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,75 @@
+"""The launch configuration of the MoE GEMMs: a pure function of shapes and the SM count.
+
+The launchers and the tests share it, so a test can name the tile its inputs exercise (a token count that is
+not a multiple of ``BLOCK_M``, a grid with empty blocks).
+"""
+
+import dataclasses
+
+import torch
+import triton
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_M: int  # rows (token, expert) pairs per program; align pads every expert's group to a multiple
+    BLOCK_N: int
+    BLOCK_K: int  # a multiple of the MX block: one scale column per 32 values
+    num_warps: int
+    num_stages: int
+
+    def launch_options(self) -> dict:
+        return {
+            "BLOCK_N": self.BLOCK_N,
+            "BLOCK_K": self.BLOCK_K,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+INTERPRETER = GemmConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
+
+
+def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, interpreting: bool) -> GemmConfig:
+    """Tiles for ``rows`` (token, expert) pairs through ``num_experts`` weights of ``[n, k]``.
+
+    Args:
+        rows: pairs routed (T * top_k; T for the one-expert linear), or None when unknown (a symbolic size
+            without a hint): the decode schedule, correct for every size.
+        n, k: the weight's output and input widths.
+        num_experts: experts sharing the rows (1 for the linear).
+        sm_count: streaming multiprocessors (or compute units) of the device.
+        interpreting: the Triton interpreter runs one numpy program at a time: few, large programs.
+
+    Returns:
+        A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
+        smallest ``tl.dot``) and ``BLOCK_N`` small enough that the active experts' column tiles give every SM
+        several programs to stream from. Prefill (many rows per expert) uses tensor-core tiles that reuse
+        each dequantized weight tile over 128 rows.
+
+    Examples:
+        >>> schedule(4, 6144, 6144, 128, 132, False).BLOCK_M
+        16
+        >>> schedule(32768, 6144, 6144, 128, 132, False).BLOCK_M
+        128
+    """
+    if interpreting:
+        return dataclasses.replace(INTERPRETER, BLOCK_N=min(64, max(16, triton.next_power_of_2(n))))
+    rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
+    if rows_per_expert is not None and rows_per_expert >= 64:
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    active = num_experts if rows is None else min(num_experts, rows)
+    block_n = 128
+    while block_n > 16 and active * triton.cdiv(n, block_n) < 4 * sm_count:
+        block_n //= 2
+    return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4)
+
+
+def num_blocks(rows, num_experts: int, block_m: int):
+    """Row blocks of the aligned layout: each expert's group padded to ``block_m``, empty experts take none.
+
+    ``sum_e ceil(c_e / block_m)`` is at most ``rows`` (every used block holds a row) and at most
+    ``ceil((rows + E * (block_m - 1)) / block_m)``; the smaller static bound sizes the buffers and the grid.
+    """
+    bound = (rows + num_experts * (block_m - 1) + block_m - 1) // block_m
+    return torch.sym_min(rows, bound)

@@ -1,0 +1,294 @@
+"""MoE ops on MXFP8 weights (align, grouped GEMM, linear, the routed MoE) vs independent float64 references.
+
+Tiny widths in the interpreter (E 8, top-2, H 64, I 64); both MXFP8 value dtypes (emulated sm_90: e4m3fn, gfx942:
+e4m3fnuz). Tolerances, measured on these inputs (CPU interpreter):
+
+* GEMM outputs in bf16 (GEMM1, the linear): one round-to-nearest of the fp32 accumulator, against the float64
+  product: ``rtol 2^-8, atol 1e-6`` (measured max relative error 3.9e-3 on near-zero outputs, where the fp32
+  summation order shows).
+* GEMM2 (MXFP8 activation, bf16 rounding point, fp32 weighting) against the float64 product rounded to bf16 at
+  the same point: the same tolerance (a near-tie may round the other way; measured 5.9e-8).
+* The whole routed MoE vs the float64 chain (bf16 GEMM1 output, reference SwiGLU + MXFP8 quantizer, bf16 GEMM2
+  output, fp32 weighting): ``2e-2`` of max |out|, room for one GEMM1 value a bf16 ulp away moving an MXFP8 byte
+  across a rounding tie (on GPU accumulation orders); measured 6.1e-8 here.
+"""
+
+import math
+
+import pytest
+import torch
+import torch._dynamo.testing
+from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
+from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mm3_compile
+from mm3_compile import platform
+
+E, K_TOP, H, I = 8, 2, 64, 64
+BLOCK_M = 16
+TARGETS = ["sm_90", "gfx942"]
+BF16_RTOL = 2.0**-8
+MOE_TOL = 2e-2
+
+pytestmark = pytest.mark.interpreter
+
+
+def weights(target, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    with platform.emulate(target):
+        values, scales = torch.ops.mm3.mxfp8_quantize(w)
+    return values, scales.view(torch.uint8)
+
+
+def routes(T, seed=0, experts=E):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(T, experts, generator=g).topk(K_TOP, dim=-1).indices  # distinct experts per token
+
+
+def assert_bf16_close(got, ref):
+    torch.testing.assert_close(got.double(), ref, rtol=BF16_RTOL, atol=1e-6, equal_nan=True)
+
+
+def test_schedule_is_pure_and_picks_decode_or_prefill():
+    assert schedule(4, 6144, 6144, 128, 132, False) == schedule(4, 6144, 6144, 128, 132, False)
+    decode, prefill = schedule(4, 6144, 6144, 128, 132, False), schedule(32768, 6144, 6144, 128, 132, False)
+    assert decode.BLOCK_M == 16 and prefill.BLOCK_M == 128
+    # 4 active experts need narrow column tiles for 132 SMs to stream: 4 * 6144 / BLOCK_N >= 4 * 132
+    assert 4 * 6144 // decode.BLOCK_N >= 4 * 132
+    assert schedule(None, 6144, 6144, 128, 132, False).BLOCK_M == 16
+    assert isinstance(schedule(4, 64, 64, 8, 1, True), GemmConfig)
+    # the bound: min(pairs, ceil((pairs + E*(BM-1)) / BM))
+    assert num_blocks(4, 128, 16) == 4 and num_blocks(32768, 128, 128) == math.ceil((32768 + 128 * 127) / 128)
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert", "empty_experts"])
+def test_align_groups_pairs_by_expert(case):
+    T = 21
+    ids = {"random": routes(T), "one_expert": torch.full((T, K_TOP), 3), "empty_experts": routes(T, experts=3) + 4}[
+        case
+    ]
+    pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+    P = T * K_TOP
+    nb = min(P, -(-(P + E * (BLOCK_M - 1)) // BLOCK_M))
+    assert pairs.shape == (nb * BLOCK_M,) and blocks.shape == (nb,)
+    flat = ids.flatten()
+    got = pairs.view(nb, BLOCK_M)
+    seen = []
+    for b in range(nb):
+        row = got[b][got[b] >= 0]
+        if blocks[b] < 0:
+            assert row.numel() == 0  # blocks past the last group are empty
+            continue
+        assert row.numel() > 0 and bool((flat[row.long()] == blocks[b]).all())
+        assert bool((got[b][: row.numel()] >= 0).all())  # rows first, padding after
+        seen += row.tolist()
+    assert sorted(seen) == list(range(P))  # every pair exactly once
+    used = [int(e) for e in blocks if e >= 0]
+    assert used == sorted(used) and set(used) == set(flat.tolist())  # only experts that received pairs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("T", [1, 19])  # one token; 38 pairs, not a multiple of the 16-row tile
+def test_grouped_gemms_match_float64(target, T):
+    v1, s1 = weights(target, (E, 2 * I, H), 1)
+    v2, s2 = weights(target, (E, H, I), 2)
+    assert v1.dtype == platform.mxfp8_value_dtype(torch.device("cpu")) or target == "gfx942"
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = routes(T, T)
+    w = torch.rand(T, K_TOP)
+    with platform.emulate(target):
+        pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+        g = torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs, blocks, BLOCK_M, K_TOP)
+        act, act_s = torch.ops.mm3.swiglu_oai_mxfp8_quant(g, 1.702, 1.0, 7.0)
+        y = torch.ops.mm3.mxfp8_grouped_gemm(act, v2, s2, pairs, blocks, BLOCK_M, 1, act_s, w.reshape(-1))
+    assert g.dtype == torch.bfloat16 and y.dtype == torch.float32 and act.dtype == v1.dtype
+    assert_bf16_close(g, grouped_gemm_ref(x.double(), v1, s1, ids))
+    y_ref = grouped_gemm_ref(mx_dequantize_f64(act, act_s), v2, s2, ids)
+    assert_bf16_close(y, y_ref.to(torch.bfloat16).double() * w.reshape(-1, 1).double())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_linear_matches_float64(target):
+    v, s = weights(target, (2 * I, H), 3)
+    x = torch.randn(2, 3, H)
+    with platform.emulate(target):
+        y = torch.ops.mm3.mxfp8_linear(x.to(torch.bfloat16), v, s)
+        y32 = torch.ops.mm3.mxfp8_linear(x, v, s)  # fp32 x: fp32 dot operands, fp32 out
+    assert y.shape == (2, 3, 2 * I) and y.dtype == torch.bfloat16
+    assert_bf16_close(y, mxfp8_linear_ref(x.to(torch.bfloat16), v, s))
+    torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_and_inf_rows_propagate_like_the_reference():
+    v1, s1 = weights("sm_90", (E, 2 * I, H), 4)
+    x = torch.randn(5, H).to(torch.bfloat16)
+    x[1, 7] = float("nan")
+    x[3, 0] = float("inf")
+    ids = routes(5, 4)
+    pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+    g = torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs, blocks, BLOCK_M, K_TOP)
+    ref = grouped_gemm_ref(x.double(), v1, s1, ids)
+    assert bool(g[2:4].isnan().all()) and bool(ref[2:4].isnan().all())  # token 1's pairs
+    assert torch.equal(g.isnan(), ref.isnan()) and torch.equal(g.isinf(), ref.isinf())
+    assert_bf16_close(g, ref)
+
+
+def moe_reference(x, ids, w, v1, s1, v2, s2, fmt):
+    """The routed MoE in float64 at the model's rounding points (bf16 GEMM outputs), reference quantizer."""
+    gate_up = grouped_gemm_ref(x.double(), v1, s1, ids).to(torch.bfloat16)
+    act_v, act_s = mxfp8_quantize_ref(swiglu_oai_ref(gate_up, 1.702, 1.0, 7.0), fmt)
+    y = grouped_gemm_ref(mx_dequantize_f64(act_v, act_s), v2, s2, ids).to(torch.bfloat16).double()
+    return (y.view(*ids.shape, -1) * w.double().unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_moe_experts_matches_float64_chain(target):
+    v1, s1 = weights(target, (E, 2 * I, H), 5)
+    v2, s2 = weights(target, (E, H, I), 6)
+    T = 9
+    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 9), torch.rand(T, K_TOP)
+    with platform.emulate(target):
+        out = torch.ops.mm3.moe_experts(x, ids, w, v1, s1, v2, s2, 1.702, 1.0, 7.0)
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+    ref = moe_reference(x, ids, w, v1, s1, v2, s2, fmt)
+    assert out.shape == (T, H) and out.dtype == torch.float32
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err <= MOE_TOL, err
+
+
+def moe_caller(x, ids, w, v1, s1, v2, s2):
+    return torch.ops.mm3.moe_experts(x * 1.5, ids, w, v1, s1, v2, s2, 1.702, 1.0, 7.0).sum(-1)
+
+
+@mm3_compile.dynamic_shapes()
+def test_compiled_fullgraph_matches_eager_without_recompiles():
+    v1, s1 = weights("sm_90", (E, 2 * I, H), 7)
+    v2, s2 = weights("sm_90", (E, H, I), 8)
+
+    def inputs(T):
+        return torch.randn(T, H).to(torch.bfloat16), routes(T, T), torch.rand(T, K_TOP), v1, s1, v2, s2
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(moe_caller)(*inputs(3))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(moe_caller, backend=counter, fullgraph=True, dynamic=True)
+    compiled(*inputs(3))
+    frames = counter.frame_count
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for T in (1, 17):
+            args = inputs(T)
+            torch.testing.assert_close(compiled(*args), moe_caller(*args), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == frames == 1
+
+
+def test_opcheck():
+    v1, s1 = weights("sm_90", (E, 2 * I, H), 9)
+    v2, s2 = weights("sm_90", (E, H, I), 10)
+    x, ids = torch.randn(3, H).to(torch.bfloat16), routes(3, 3)
+    pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+    torch.library.opcheck(torch.ops.mm3.moe_align.default, (ids, E, BLOCK_M))
+    # typed FP8 weights: opcheck's schema check cannot compare FP8 tensors on the CPU (no mul kernel), the rest runs
+    tests = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(
+        torch.ops.mm3.mxfp8_grouped_gemm.default, (x, v1, s1, pairs, blocks, BLOCK_M, K_TOP), test_utils=tests
+    )
+    torch.library.opcheck(torch.ops.mm3.mxfp8_linear.default, (x, v2[0], s2[0]), test_utils=tests)
+    torch.library.opcheck(
+        torch.ops.mm3.moe_experts.default, (x, ids, torch.rand(3, K_TOP), v1, s1, v2, s2, 1.702, 1.0, 7.0),
+        test_utils=tests,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_bad_inputs_name_the_argument(fake):
+    v1, s1 = weights("sm_90", (E, 2 * I, H), 11)
+    x, ids = torch.randn(3, H).to(torch.bfloat16), routes(3, 3)
+    pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+    cases = [
+        (lambda: torch.ops.mm3.moe_align(ids.float(), E, BLOCK_M), TypeError, "ids"),
+        (lambda: torch.ops.mm3.moe_align(ids, E, 24), ValueError, "block_m"),
+        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1.float(), s1, pairs, blocks, BLOCK_M, K_TOP), TypeError, "w_values"),
+        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1[..., :1], pairs, blocks, BLOCK_M, K_TOP), ValueError, "w_scales"),
+        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x[:, :32], v1, s1, pairs, blocks, BLOCK_M, K_TOP), ValueError, "x"),
+        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs[:-1], blocks, BLOCK_M, K_TOP), ValueError, "sorted_pairs"),
+        (lambda: torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0].T), ValueError, "scales"),
+        (lambda: torch.ops.mm3.mxfp8_linear(x.int(), v1[0], s1[0]), TypeError, "x"),
+    ]  # fmt: skip
+    for call, error, name in cases:
+        if fake:
+            with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=rf"^{name}:"):
+                call()
+        else:
+            with pytest.raises(error, match=rf"^{name}:"):
+                call()
+    if not fake:  # index values are checked on CPU tensors
+        with pytest.raises(ValueError, match=r"^ids: expected expert ids in \[0, 8\)"):
+            torch.ops.mm3.moe_align(ids + E, E, BLOCK_M)
+
+
+@pytest.mark.gpu
+def test_gpu_real_width_moe_matches_float64(device):
+    """E 128, top-4, H 6144, I 3072 (the M3 config): the op vs the float64 chain on all pairs of 6 experts."""
+    torch.manual_seed(0)
+    E_, k_, H_, I_, T = 128, 4, 6144, 3072, 64
+    v1, s1 = torch.ops.mm3.mxfp8_quantize(torch.randn(E_, 2 * I_, H_, device=device, dtype=torch.bfloat16) / H_**0.5)
+    v2, s2 = torch.ops.mm3.mxfp8_quantize(torch.randn(E_, H_, I_, device=device, dtype=torch.bfloat16) / I_**0.5)
+    s1, s2 = s1.view(torch.uint8), s2.view(torch.uint8)
+    x = torch.randn(T, H_, device=device).to(torch.bfloat16)
+    ids = torch.rand(T, E_, device=device).topk(k_, dim=-1).indices
+    w = torch.rand(T, k_, device=device)
+    out = torch.ops.mm3.moe_experts(x, ids, w, v1, s1, v2, s2, 1.702, 1.0, 7.0)
+    fmt = platform.fp8_format(v1.dtype)
+    keep = torch.isin(ids, ids.flatten().unique()[:6]).all(-1)  # tokens whose experts are all in the sample
+    keep[0] = True
+    sub = keep.nonzero().squeeze(1)
+    ref = moe_reference(x[sub], ids[sub], w[sub], v1, s1, v2, s2, fmt)
+    err = float((out[sub].double() - ref).abs().max() / ref.abs().max())
+    assert err <= MOE_TOL, err
+    ys = torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0])
+    assert_bf16_close(ys, mxfp8_linear_ref(x, v1[0], s1[0]))
+
+
+SM90_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mm3_compile import platform
+from mm3_compile.kernels.fp8 import format_constants
+from mm3_compile.kernels.moe.gemm import _mxfp8_gemm_kernel as kernel
+
+consts = dict(
+    GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, ROUND_BF16=True, INT_ROUND=False, BLOCK_M=16, BLOCK_N=32,
+    BLOCK_K=128, DOT_DTYPE=tl.bfloat16, NATIVE_FP8=True, E8M0_BIAS_=127,
+    **format_constants(platform.fp8_format(platform.FP8_E4M3_OCP)),
+)
+pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
+signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 4))
+signature.update(dict.fromkeys(consts, "constexpr"))
+constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
+src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+print("MMA" if "mma" in ptx else "NO-MMA")
+"""
+
+
+def test_grouped_kernel_compiles_for_sm90_native_fp8():
+    """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
+    a typed FP8 load): compile the sm_90 typed-FP8 variant ahead of time, without a GPU, in a process with the
+    interpreter off (Triton's CUDA backend and its ptxas only)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
+        pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("MMA")  # a tensor-core dot on the dequantized tiles
