@@ -12,13 +12,12 @@ always equal.
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
-from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.properties.strategies import FLOAT_DTYPES, adversarial, examples, targets
 
 pytestmark = pytest.mark.interpreter
