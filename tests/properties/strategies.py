@@ -77,3 +77,21 @@ def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
     """Nonzero magnitudes below the dtype's smallest normal -> 0 (for exclusions named where used)."""
     tiny = torch.finfo(x.dtype).smallest_normal
     return torch.where((x.abs() < tiny) & (x != 0), torch.zeros_like(x), x)
+
+
+# Where the ops run: the interpreter on CPU tensors (CI), or CUDA (``bash scripts/gpu_check.sh props``) with
+# shapes MM3_PROPS_SCALE times larger.  References always run on the CPU copies.
+DEVICE = torch.device(os.environ.get("MM3_PROPS_DEVICE", "cpu"))
+SCALE = int(os.environ.get("MM3_PROPS_SCALE", "1"))
+
+
+def device_mark():
+    """The property modules' pytestmark: interpreter tests on CPU, GPU tests with MM3_PROPS_DEVICE=cuda."""
+    import pytest
+
+    return pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
+
+
+def on_device(*tensors):
+    """The tensors (None passes) on DEVICE, strides kept (``.to`` preserves a permuted dense layout)."""
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)

@@ -30,9 +30,18 @@ from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
-from tests.properties.strategies import adversarial, examples, flush_subnormals, targets
+from tests.properties.strategies import (
+    DEVICE,
+    SCALE,
+    adversarial,
+    device_mark,
+    examples,
+    flush_subnormals,
+    on_device,
+    targets,
+)
 
-pytestmark = pytest.mark.interpreter
+pytestmark = device_mark()
 
 TOLERANCE = {torch.bfloat16: (2e-2, 1.5e-3), torch.float16: (2e-3, 1.5e-4)}  # (max, mean) abs / 2^ev
 EXCLUDE_HUGE_LOGITS = True  # issue #24 item 3
@@ -64,7 +73,7 @@ def attention_problems(draw, decode):
         reqs = []
         for _ in range(draw(st.integers(1, 3))):
             s = draw(st.sampled_from([0] + seq_choices))
-            reqs.append((s, draw(st.integers(min(1, s), min(s, 4)))))
+            reqs.append((s, draw(st.integers(min(1, s), min(s, 4 * SCALE)))))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     blocks = [math.ceil(s / PAGE_SIZE) for s, _ in reqs]
     num_blocks = sum(blocks) + 1
@@ -109,7 +118,7 @@ def attention_problems(draw, decode):
             topk[cu[r] + i] = ids.to(torch.int32)
     spec = draw(st.sampled_from(SPECS))
     spec = {"model": {torch.bfloat16: "bfloat16", torch.float16: "float16"}[model_dtype]}.get(spec, spec)
-    storage = platform.resolve_kv_cache_dtype(spec, "cpu", model_dtype)
+    storage = platform.resolve_kv_cache_dtype(spec, DEVICE, model_dtype)
     k_scale = v_scale = None
     if platform.is_fp8(storage):
         fmt = platform.fp8_format(storage)
@@ -166,27 +175,37 @@ def assert_close(out, ref, q_dtype, ev):
         )
 
 
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(8))
 @given(target=targets(), schedule=st.sampled_from(("union", "kv_centric")), data=st.data())
 def test_prefill_matches_reference(target, schedule, data):
     with platform.emulate(target), mock.patch.object(prefill_kernels, "prefill_schedule", lambda *args: schedule):
         p = data.draw(attention_problems(decode=False))
+        q, cache, topk, table, cu, seq, k_scale, v_scale = on_device(
+            p["q"],
+            p["kv_cache"],
+            p["topk_idx"],
+            p["block_table"],
+            p["cu_seqlens_q"],
+            p["seq_lens"],
+            p["k_scale"],
+            p["v_scale"],
+        )
         out = torch.ops.mm3.sparse_attn_prefill(
-            p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["cu_seqlens_q"], p["seq_lens"], p["sm_scale"],
-            p["kv_cache_dtype"], p["k_scale"], p["v_scale"],
-        )  # fmt: skip
+            q, cache, topk, table, cu, seq, p["sm_scale"], p["kv_cache_dtype"], k_scale, v_scale
+        ).cpu()
     ref = sparse_attn_ref(p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["cu_seqlens_q"], p["seq_lens"],
                           p["sm_scale"], p["storage"], p["k_scale"], p["v_scale"])  # fmt: skip
     assert_close(out, ref, p["q"].dtype, p["ev"])
 
 
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(8))
 @given(target=targets(), data=st.data())
 def test_decode_matches_reference(target, data):
     with platform.emulate(target):
         p = data.draw(attention_problems(decode=True))
         args = (p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["seq_lens"], p["sm_scale"])
-        out = torch.ops.mm3.sparse_attn_decode(*args, p["kv_cache_dtype"], p["k_scale"], p["v_scale"])
+        on = (*on_device(*args[:5]), args[5], p["kv_cache_dtype"], *on_device(p["k_scale"], p["v_scale"]))
+        out = torch.ops.mm3.sparse_attn_decode(*on).cpu()
     ref = sparse_attn_decode_ref(*args, p["storage"], p["k_scale"], p["v_scale"])
     assert_close(out, ref, p["q"].dtype, p["ev"])
 
@@ -196,8 +215,8 @@ def test_decode_matches_reference(target, data):
 def test_compiled_matches_eager(target, data):
     with platform.emulate(target):
         p = data.draw(attention_problems(decode=True))
-        args = (p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["seq_lens"], p["sm_scale"],
-                p["kv_cache_dtype"], p["k_scale"], p["v_scale"])  # fmt: skip
+        args = (*on_device(p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["seq_lens"]), p["sm_scale"],
+                p["kv_cache_dtype"], *on_device(p["k_scale"], p["v_scale"]))  # fmt: skip
 
         def decode(*tensors):
             return torch.ops.mm3.sparse_attn_decode(*tensors)

@@ -14,9 +14,18 @@ from mm3_compile.kernels.kv_cache.naive import kv_cache_write_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
-from tests.properties.strategies import FLOAT_DTYPES, adversarial, examples, targets
+from tests.properties.strategies import (
+    DEVICE,
+    FLOAT_DTYPES,
+    SCALE,
+    adversarial,
+    device_mark,
+    examples,
+    on_device,
+    targets,
+)
 
-pytestmark = pytest.mark.interpreter
+pytestmark = device_mark()
 
 FP8_SPECS = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -37,10 +46,10 @@ def write_problems(draw):
         key_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec) or draw(
             st.sampled_from((torch.bfloat16, torch.float16))
         )
-    num_blocks, heads = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    num_blocks, heads = draw(st.integers(1, 3 * SCALE)), draw(st.integers(1, 4))
     D = draw(st.sampled_from((16, 64, 128)))
     num_slots = num_blocks * PAGE_SIZE
-    num_tokens = draw(st.integers(1, min(40, num_slots)))
+    num_tokens = draw(st.integers(1, min(40 * SCALE, num_slots)))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(num_slots, generator=g)[:num_tokens]
@@ -51,7 +60,7 @@ def write_problems(draw):
     slots = torch.where(kinds == 1, num_slots + torch.randint(0, 1000, (num_tokens,), generator=g), slots)
     key = draw(adversarial((num_tokens, heads, D), key_dtype))
     value = draw(adversarial((num_tokens, heads, D), key_dtype))
-    storage = platform.resolve_kv_cache_dtype(spec, "cpu", key_dtype)
+    storage = platform.resolve_kv_cache_dtype(spec, DEVICE, key_dtype)
     fp8 = platform.is_fp8(storage)
     typed = fp8 and draw(st.booleans())
     layout = draw(st.sampled_from(("HND", "NHD")))
@@ -76,26 +85,27 @@ def write_problems(draw):
 
 
 def fmt_for(cache, spec, key_dtype):
-    storage = platform.resolve_kv_cache_dtype(spec, "cpu", key_dtype)
+    storage = platform.resolve_kv_cache_dtype(spec, DEVICE, key_dtype)
     return platform.fp8_format(storage) if platform.is_fp8(storage) else None
 
 
-@settings(max_examples=examples(24))
+@settings(max_examples=examples(16))
 @given(target=targets(), data=st.data())
 def test_kv_cache_write_matches_reference(target, data):
     with platform.emulate(target):
         key, value, cache, slots, spec, k_scale, v_scale = data.draw(write_problems())
         fmt = fmt_for(cache, spec, key.dtype)
         expected = kv_cache_write_ref(key, value, cache, slots, fmt, k_scale, v_scale)
+        key, value, cache, slots, k_scale, v_scale = on_device(key, value, cache, slots, k_scale, v_scale)
         storage_before = cache.untyped_storage().data_ptr()
         assert torch.ops.mm3.kv_cache_write(key, value, cache, slots, spec, k_scale, v_scale) is None
     assert cache.untyped_storage().data_ptr() == storage_before
-    a, e = cache.view(torch.uint8), expected.view(torch.uint8)
+    a, e = cache.view(torch.uint8).cpu(), expected.view(torch.uint8)
     bad = (a != e).nonzero()
     assert bad.numel() == 0, f"{bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
 
 
-@settings(max_examples=examples(3))
+@settings(max_examples=examples(2))
 @given(target=targets(), data=st.data())
 def test_compiled_matches_eager(target, data):
     def write(key, value, cache, slots, k_scale, v_scale):
@@ -103,6 +113,7 @@ def test_compiled_matches_eager(target, data):
 
     with platform.emulate(target):
         key, value, cache, slots, spec, k_scale, v_scale = data.draw(write_problems())
+        key, value, cache, slots, k_scale, v_scale = on_device(key, value, cache, slots, k_scale, v_scale)
         eager = cache.clone()
         write(key, value, eager, slots, k_scale, v_scale)
         torch._dynamo.reset()
