@@ -59,7 +59,7 @@ case "${1:-tests}" in
       if [ "$rc" -ne 0 ] || [ "${errors:-x}" != "0" ]; then status=1; fi
       summary+=$(printf '%-10s rc=%-4s errors=%-4s %s' "$tool" "$rc" "${errors:-?}" "${calls:-no CALLS line (timeout or crash)}")$'\n'
     done
-    grep -hE "^(FAILED|=========.*(Invalid|Race|Barrier|ERROR))" "$out"/sanitize_*.log | head -20
+    grep -hE "^(FAILED|=========.*(Invalid|Race|Barrier|ERROR SUMMARY: [1-9]))" "$out"/sanitize_*.log | head -20
     printf '%s' "$summary"
     if [ $status -eq 0 ]; then echo "sanitize: 0 errors"; else echo "sanitize: FAILED (logs in $out/sanitize_*.log)"; fi
     exit $status ;;

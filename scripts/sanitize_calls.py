@@ -192,7 +192,7 @@ def _():
         torch.ops.mm3.sparse_attn_decode(q, cache, topk, table, seq, 64**-0.5, spec)
 
 
-@call("sparse_attn_decode: a 256-request batch", merge=True)
+@call("sparse_attn_decode: a 256-request batch (one split: the grid fills the GPU)")
 def _():
     q, cache, topk, table, _, seq = _attn_args([2000] * 256, [1] * 256, Hkv=1, G=8, T=16)
     torch.ops.mm3.sparse_attn_decode(q, cache, topk, table, seq, 128**-0.5)
