@@ -4,6 +4,8 @@
 #   bash scripts/gpu_check.sh tests
 #   bash scripts/gpu_check.sh aoti
 #   BENCH_BUDGET=380 bash scripts/gpu_check.sh bench
+#   bash scripts/gpu_check.sh sanitize   (compute-sanitizer over scripts/sanitize_calls.py, ~8 minutes)
+#   bash scripts/gpu_check.sh props      (tests/properties on CUDA at larger shapes)
 # Wheels carried in .whl/ (expecttest for the inline kernel-list expectation) are installed to /tmp/site.
 # Logs and bench results go to $OUT (or out/ here).
 set -uo pipefail
@@ -38,5 +40,40 @@ case "${1:-tests}" in
     budget=${BENCH_BUDGET:-380}
     timeout $((budget + 120)) python3 bench/run.py --budget-s "$budget" --out "$out/bench" >"$out/bench.log" 2>&1
     tail -15 "$out/bench.log" ;;
-  *) echo "usage: $0 tests|aoti|bench" >&2; exit 2 ;;
+  sanitize)
+    # compute-sanitizer over scripts/sanitize_calls.py: memcheck on every call (the caching allocator off, so
+    # an access past a tensor is past its allocation), racecheck + synccheck on the split-decode merge calls.
+    # A plain run first compiles every kernel (the sanitized runs then load them from Triton's cache) and
+    # must finish its calls.  Needs 0 errors from every tool; the summary table is printed last.
+    export PYTORCH_NO_CUDA_MEMORY_CACHING=1 MM3_VALIDATE=0
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    if [ -z "$cs" ]; then echo "sanitize: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"; exit 1; fi
+    status=0
+    summary=""
+    timeout 150 python3 scripts/sanitize_calls.py >"$out/sanitize_plain.log" 2>&1
+    rc=$?; calls=$(grep -E "^CALLS:" "$out/sanitize_plain.log" | tail -1)
+    [ $rc -eq 0 ] || status=1
+    summary+=$(printf '%-10s rc=%-4s %s' plain "$rc" "${calls:-no CALLS line (timeout or crash)}")$'\n'
+    for spec in "memcheck 240" "racecheck 90 --merge" "synccheck 90 --merge"; do
+      set -- $spec
+      tool=$1 limit=$2; shift 2
+      log="$out/sanitize_$tool.log"
+      timeout "$limit" "$cs" --tool "$tool" --target-processes all --print-limit 50 \
+        python3 scripts/sanitize_calls.py "$@" >"$log" 2>&1
+      rc=$?
+      errors=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$log" | tail -1 | grep -oE "[0-9]+ error" | grep -oE "[0-9]+")
+      calls=$(grep -E "^CALLS:" "$log" | tail -1)
+      if [ "$rc" -ne 0 ] || [ "${errors:-x}" != "0" ]; then status=1; fi
+      summary+=$(printf '%-10s rc=%-4s errors=%-4s %s' "$tool" "$rc" "${errors:-?}" "${calls:-no CALLS line (timeout or crash)}")$'\n'
+    done
+    grep -hE "^(FAILED|=========.*(Invalid|Race|Barrier|ERROR SUMMARY: [1-9]))" "$out"/sanitize_*.log | head -20
+    printf '%s' "$summary"
+    if [ $status -eq 0 ]; then echo "sanitize: 0 errors"; else echo "sanitize: FAILED (logs in $out/sanitize_*.log)"; fi
+    exit $status ;;
+  props)
+    # The CPU property suite on CUDA tensors, at MM3_PROPS_SCALE times the shapes (tests/properties).
+    MM3_PROPS_DEVICE=cuda MM3_PROPS_SCALE=${MM3_PROPS_SCALE:-8} timeout 540 python3 -m pytest -q -p no:cacheprovider \
+      tests/properties >"$out/gpu_props.log" 2>&1
+    rc=$?; tail -15 "$out/gpu_props.log"; exit $rc ;;
+  *) echo "usage: $0 tests|aoti|bench|sanitize|props" >&2; exit 2 ;;
 esac

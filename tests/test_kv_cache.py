@@ -339,3 +339,21 @@ def test_compiled_caller_no_recompiles(device):
                 compiled(key, key, cache, slots)
             assert_same_bits(cache, expected)
     assert counter.frame_count == frames
+
+
+@pytest.mark.parametrize("spec", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_bf16_subnormal_keys_exact(target, spec, device):
+    """Issue #24 item 1: bf16 subnormal K/V (every m * 2^-133) divided by a scalar 2^-126 land on normal and
+    subnormal FP8 codes; the interpreter's bf16 -> fp32 cast got them wrong, the kernel widens the bits."""
+    m = torch.arange(1, 128, dtype=torch.float64)
+    rows = torch.cat([m, -m]) * 2.0**-133  # [254], exact in bf16
+    key = rows[:128].reshape(2, 1, 64).to(torch.bfloat16).to(device)
+    value = rows[-128:].reshape(2, 1, 64).to(torch.bfloat16).to(device)
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.resolve_kv_cache_dtype(spec, device, torch.bfloat16))
+        cache = make_cache(1, 1, 64, "HND", torch.uint8, device)
+        scale = torch.tensor([2.0**-126], device=device)
+        run_and_check(key, value, cache, torch.tensor([5, 127], device=device), spec, scale, scale, fmt)
+        stored = cache.view(fmt.dtype)[0, 0, 5, :64].float().cpu()
+    assert torch.equal(stored, (key[0, 0].double().cpu() * 2.0**126).to(fmt.dtype).float())

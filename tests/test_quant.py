@@ -251,3 +251,39 @@ def test_gpu_large_bit_exact(dtype, device):
     assert_bits_equal(scales, ref_scales)
     diff = (values.view(torch.uint8).cpu().int() - ref_values.view(torch.uint8).cpu().int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-4
+
+
+def bf16_subnormals(rows: int, width: int) -> torch.Tensor:
+    """Every bf16 subnormal magnitude m * 2^-133 (m = 1..127), both signs, tiled over [rows, width]."""
+    m = torch.arange(1, 128, dtype=torch.float64)
+    magnitudes = torch.cat([m, -m]) * 2.0**-133  # exact in bf16
+    tiled = magnitudes.repeat(rows * width // magnitudes.numel() + 1)[: rows * width]
+    return tiled.reshape(rows, width).to(torch.bfloat16)
+
+
+def test_bf16_subnormal_input_exact(target, device):
+    """Issue #24 item 1: the interpreter's bf16 -> fp32 cast turned 3 * 2^-133 into 2^-127 (value 1.0 instead of
+    0.046875 at scale byte 0); the kernels widen bf16 through its bits."""
+    fmt = value_format(device)
+    x = torch.full((1, 32), 3 * 2.0**-133, dtype=torch.bfloat16, device=device)
+    values, scales = torch.ops.mm3.mxfp8_quantize(x)
+    assert scales.view(torch.uint8).item() == 0 and torch.all(values.float() == 0.046875)
+    x = bf16_subnormals(4, 256).to(device)
+    x[3, 32:64] = 1.0  # a normal block beside the subnormal ones
+    values, scales = torch.ops.mm3.mxfp8_quantize(x)
+    ref_values, ref_scales = mxfp8_quantize_ref(x, fmt)
+    assert_bits_equal(scales, ref_scales)
+    assert_bits_equal(values, ref_values)
+    assert (ref_values.float() != 0).sum() > 500  # the comparison is not of flushed zeros
+
+
+def test_swiglu_bf16_subnormal_input_exact(target, device):
+    """The fused op reads bf16 the same exact way: a subnormal gate g gives sigmoid(alpha g) = 1/2 and
+    up + beta = 1 in fp32, so the activation is exactly g / 2 and the codes are bit-exact."""
+    gate = bf16_subnormals(4, 128)
+    gate_up = torch.cat([gate, gate.flip(-1)], dim=-1).to(device)
+    values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+    ref_values, ref_scales = mxfp8_quantize_ref(swiglu_oai_ref(gate_up), value_format(device))
+    assert torch.equal(swiglu_oai_ref(gate_up), gate.float().to(device) / 2)
+    assert_bits_equal(scales, ref_scales)
+    assert_bits_equal(values, ref_values)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import launch
 from mm3_compile.kernels.fp8 import fp8_encode, format_constants
+from mm3_compile.kernels.widen import exact_bf16, to_fp32
 from mm3_compile.contract import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.platform import FP8Format, hardware_vendor, interpreting
 
@@ -72,6 +73,7 @@ def _kv_cache_write_kernel(
     FP8_MAX: tl.constexpr,
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     tokens = rows // num_heads
@@ -89,8 +91,8 @@ def _kv_cache_write_kernel(
     dst = cache_ptr + (pages * stride_cb + heads * stride_ch + offsets * stride_cp)[:, None] + d[None, :]
     if IS_FP8:
         dst = dst.to(tl.pointer_type(tl.uint8))  # FP8 is stored as the encoder's bytes
-        k = _scale_rows(k.to(tl.float32), k_scale_ptr, heads, slots, row_ok, stride_ksh, stride_kss, SCALE_MODE)
-        v = _scale_rows(v.to(tl.float32), v_scale_ptr, heads, slots, row_ok, stride_vsh, stride_vss, SCALE_MODE)
+        k = _scale_rows(to_fp32(k, EXACT_BF16), k_scale_ptr, heads, slots, row_ok, stride_ksh, stride_kss, SCALE_MODE)
+        v = _scale_rows(to_fp32(v, EXACT_BF16), v_scale_ptr, heads, slots, row_ok, stride_vsh, stride_vss, SCALE_MODE)
         tl.store(dst, fp8_encode(k, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
         tl.store(dst + D, fp8_encode(v, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
     else:
@@ -140,5 +142,6 @@ def kv_cache_write(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         target.stride(0), target.stride(1), target.stride(2),
         *k_strides, *v_strides,
-        D=D, BLOCK_R=block_r, IS_FP8=fmt is not None, SCALE_MODE=scale_mode, num_warps=4, **constants,
+        D=D, BLOCK_R=block_r, IS_FP8=fmt is not None, SCALE_MODE=scale_mode, EXACT_BF16=exact_bf16(),
+        num_warps=4, **constants,
     )  # fmt: skip

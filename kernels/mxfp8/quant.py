@@ -16,6 +16,7 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import fp8_encode, fp8_encode_native, format_constants, native_encode_code
+from mm3_compile.kernels.widen import exact_bf16, to_fp32
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
@@ -92,6 +93,7 @@ def _mxfp8_quantize_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
 ):
     K = k_blocks * 32  # sizes rebuilt from units: the compiler sees their alignment (see _row_units)
     stride_xm = stride_units * ROW_ALIGN
@@ -100,7 +102,8 @@ def _mxfp8_quantize_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = to_fp32(x, EXACT_BF16)
     codes, sb = _mx_quantize_tile(x, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ, FP8_NATIVE)
     tl.store(values_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], codes.to(tl.uint8), mask=mask)
     NB: tl.constexpr = BLOCK_K // 32
@@ -132,6 +135,7 @@ def _swiglu_oai_mxfp8_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
 ):
     I = i_blocks * 32
     stride_m = stride_units * ROW_ALIGN
@@ -141,8 +145,8 @@ def _swiglu_oai_mxfp8_kernel(
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] activation columns
     mask = (rows[:, None] < M) & (cols[None, :] < I)
     row_ptr = gate_up_ptr + rows[:, None].to(tl.int64) * stride_m
-    gate = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row_ptr + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = to_fp32(tl.load(row_ptr + cols[None, :], mask=mask, other=0.0), EXACT_BF16)
+    up = to_fp32(tl.load(row_ptr + I + cols[None, :], mask=mask, other=0.0), EXACT_BF16)
     # Inductor passes Python floats as fp64 scalars: without the casts the activation would be fp64.
     alpha, beta, limit = tl.cast(alpha, tl.float32), tl.cast(beta, tl.float32), tl.cast(limit, tl.float32)
     if HAS_LIMIT:  # NaN stays NaN, as in torch.clamp (a plain min/max would return the limit)
@@ -162,7 +166,8 @@ def _fp8_constants(fmt: FP8Format, device: torch.device) -> dict:
     # NVIDIA's cvt.rn.satfinite gives the same bytes as the integer encoder at a fraction of the instructions.
     native = platform.triton_native_fp8(fmt.dtype, device) and platform.platform_for(device).vendor == "nvidia"
     return dict(
-        MAX_EXP=(bits >> 23) - 127, MAX_MANT=bits & 0x7FFFFF, FP8_NATIVE=native_encode_code(fmt, native), **format_constants(fmt)
+        MAX_EXP=(bits >> 23) - 127, MAX_MANT=bits & 0x7FFFFF, FP8_NATIVE=native_encode_code(fmt, native),
+        EXACT_BF16=exact_bf16(), **format_constants(fmt),
     )
 
 
@@ -191,7 +196,7 @@ def _tile(K: int) -> dict:
     return dict(BLOCK_M=8, BLOCK_K=256, num_warps=4)
 
 
-def _outputs(rows, K: int, fmt: FP8Format, device):
+def _outputs(rows, K: int, device):
     values = empty_row_major((rows, K), torch.uint8, device)
     scales = empty_row_major((rows, K // MX_BLOCK_SIZE), torch.uint8, device)
     return values, scales
@@ -202,7 +207,7 @@ def mxfp8_quantize(x: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch
     K = x.shape[-1]
     x2 = x.reshape(-1, K)  # [M, K]
     M = x2.shape[0]
-    values, scales = _outputs(M, K, fmt, x.device)
+    values, scales = _outputs(M, K, x.device)
     tile = _tile(K)
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(K, tile["BLOCK_K"]))
     units, align = _row_units(x2.stride(0))
@@ -223,7 +228,7 @@ def swiglu_oai_mxfp8_quant(
     I = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * I)  # [M, 2I]
     M = g2.shape[0]
-    values, scales = _outputs(M, I, fmt, gate_up.device)
+    values, scales = _outputs(M, I, gate_up.device)
     tile = _tile(I)
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(I, tile["BLOCK_K"]))
     units, align = _row_units(g2.stride(0))
