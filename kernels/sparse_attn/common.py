@@ -53,6 +53,39 @@ PAGE = tl.constexpr(128)  # tokens per page == sparse block size
 # One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer
 # ones slot by slot (Triton tensors hold at most 2^20 elements).
 MATRIX_DEDUP_SLOTS = tl.constexpr(1024)
+# The Triton interpreter converts fp32 -> bf16 by truncation toward zero (P and the outputs came out
+# biased low) and widens bf16 subnormals wrongly (3 * 2^-133 -> 2^-127); under it every bf16
+# conversion is done with integer arithmetic instead (``to_model_dtype``, ``widen``).  The GPU's
+# conversions are already round-to-nearest-even and exact, so compiled kernels keep them.
+EXACT_BF16 = tl.constexpr(platform.interpreting())
+# Rows one of whose blocks has a maximum log2-domain logit (sm_scale * log2(e) * q.k over the block's
+# visible keys) of magnitude >= 2^30 come out NaN in every schedule.  The KV-centric tile folds the
+# scale into one FFMA per logit (exp2(s * scale - m) with m rounded, see kv_centric._attend_tile), which
+# is exact up to a factor 2^r, |r| <= ulp(m) / 2, that cancels while |m| < 2^30 but overflows beyond;
+# the other schedules flag the same rows instead of answering where it cannot (such logits are ~7e8
+# in natural units, far past any attention a model computes).
+HUGE_LOGIT = tl.constexpr(2.0**30)
+
+
+@triton.jit
+def widen(x):
+    """x (bf16, fp16 or fp32) -> fp32, exactly (bf16 subnormals included)."""
+    if EXACT_BF16 and x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_model_dtype(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE (bf16/fp16/fp32), rounded to nearest even (NaN stays NaN, overflow -> inf)."""
+    if EXACT_BF16 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to the even upper half
+        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)  # a NaN stays a (quiet) NaN
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -81,11 +114,11 @@ def _load_kv_tile(
             x = tl.where(mask, x, 0.0)
         if SCALE_MODE != 0:
             x = x * scale
-        x = x.to(MODEL_DTYPE)
+        x = to_model_dtype(x, MODEL_DTYPE)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     if DOT_FP32:
-        x = x.to(tl.float32)
+        x = widen(x)
     return x
 
 
@@ -144,6 +177,7 @@ def _attend_loaded(
     m,  # [BLOCK_M] running max (log2 domain)
     l,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, D] fp32
+    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
     k,  # [D, 128] dot dtype
     v,  # [128, D] dot dtype
     visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
@@ -151,20 +185,23 @@ def _attend_loaded(
     P_DTYPE: tl.constexpr,  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
     DOT_FP32: tl.constexpr,
 ):
-    """Online-softmax update of (m, l, acc) with one QK and one PV dot over a loaded block."""
+    """Online-softmax update of (m, l, acc, low) with one QK and one PV dot over a loaded block; ``low`` is
+    the smallest block maximum seen (``HUGE_LOGIT``)."""
     s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    block_max = tl.max(s, axis=1)
+    low = tl.where(block_max == float("-inf"), low, tl.minimum(low, block_max))
+    m_new = tl.maximum(m, block_max)
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    p = p.to(P_DTYPE)
+    p = to_model_dtype(p, P_DTYPE)
     if DOT_FP32:
-        p = p.to(tl.float32)
+        p = widen(p)
     acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l, acc
+    return m_new, l, acc, low
 
 
 @triton.jit
@@ -173,6 +210,7 @@ def _attend_block(
     m,  # [BLOCK_M] running max (log2 domain)
     l,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, D] fp32
+    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
     head_base,  # kv_ptr at this KV head
     page,  # int64 physical page of the block
     key_ok,  # [128] key exists (valid block, < seq_len)
@@ -203,7 +241,7 @@ def _attend_block(
         D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF, FP16_DOTS,
     )  # fmt: skip
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    return _attend_loaded(q, m, l, acc, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
+    return _attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
 
 
 @triton.jit
@@ -374,7 +412,7 @@ def sparse_attn_fwd_kernel(
         # spans fp32's normal exponents, which cover every bf16 maximum (a subnormal maximum below
         # 2^-113 lands in [2^-6, 2^14), still normal in fp16).  Rows whose maximum is 0, inf or NaN
         # keep scale 1.  The logit factor is formed in fp64: sm_scale * k_scale alone may pass fp32.
-        q = q.to(tl.float32)
+        q = widen(q)
         row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
         max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         usable = (row_max > 0.0) & (row_max < float("inf"))
@@ -384,12 +422,12 @@ def sparse_attn_fwd_kernel(
         factor = qk_scale.to(tl.float64) * tl.cast(k_scale, tl.float64) / q_scale.to(tl.float64)
         qk_scale = factor.to(tl.float32)[:, None]  # [BLOCK_M, 1] logit factor per row
     if DOT_FP32:
-        q = q.to(tl.float32)
-
+        q = widen(q)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    low = tl.full([BLOCK_M], float("inf"), tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     if BLOCK_Q == 1:
         # One token: walk its slots with a counted loop.  Every slot's page was resolved above, with
@@ -438,8 +476,8 @@ def sparse_attn_fwd_kernel(
             key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions
             key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
             visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
-            m, l, acc = _attend_block(
-                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+            m, l, acc, low = _attend_block(
+                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
                 D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
@@ -466,8 +504,8 @@ def sparse_attn_fwd_kernel(
             key_pos = block * PAGE + offs  # [128] logical positions
             key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
             visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
-            m, l, acc = _attend_block(
-                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+            m, l, acc, low = _attend_block(
+                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
                 D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
@@ -477,6 +515,8 @@ def sparse_attn_fwd_kernel(
 
     has_keys = l > 0.0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    huge = (m >= HUGE_LOGIT) | (low <= -HUGE_LOGIT)  # the contract's NaN rows, as in every schedule
+    o = tl.where(huge[:, None], float("nan"), o)
     # FP16_DOTS: v_scale multiplies the normalised output (acc, a sum of up to T * 128 weighted values,
     # could overflow); a split's partial stays unscaled (|o| <= max |FP8|) and the merger scales the
     # merged row, which may fit the model dtype where one split's scaled partial would not.
@@ -495,9 +535,10 @@ def sparse_attn_fwd_kernel(
             split_rows = total_q * Hq
             part_offset = split.to(tl.int64) * split_rows + row_offset
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+            lse = tl.where(huge, float("nan"), lse)
             tl.store(lse_ptr + part_offset, lse, mask=row_mask)
-            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
-                     mask=row_mask[:, None])  # fmt: skip
+            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :],
+                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
             tl.debug_barrier()
             counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
@@ -509,9 +550,9 @@ def sparse_attn_fwd_kernel(
                     partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, v_scale, D, FP16_DOTS
                 )  # fmt: skip
         else:
-            tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+            tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -534,13 +575,13 @@ def _merge_partials(
         ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key so far: weights 0, nothing NaN
         rescale = tl.exp2(lse_max - ref)
         w = tl.exp2(lse - ref)
-        acc = acc * rescale[:, None] + w[:, None] * o.to(tl.float32)
+        acc = acc * rescale[:, None] + w[:, None] * widen(o)
         weight_sum = weight_sum * rescale + w
         lse_max = new_max
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
         out = out * out_scale
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(out_ptrs, to_model_dtype(out, out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
 

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.sparse_attn.common import (
+    HUGE_LOGIT,
     LOG2E,
     PAGE,
     _load_block,
@@ -57,6 +58,8 @@ from mm3_compile.kernels.sparse_attn.common import (
     _slot_window,
     kernel_options,
     kv_launch_args,
+    to_model_dtype,
+    widen,
 )
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
@@ -147,18 +150,18 @@ def _attend_tile(
     if diagonal:
         p = tl.where(key_pos[None, :] <= limit[:, None], p, 0.0)
     l = tl.sum(p, axis=1)
-    p = p.to(P_DTYPE)
+    p = to_model_dtype(p, P_DTYPE)
     if DOT_FP32:
-        p = p.to(tl.float32)
+        p = widen(p)
     # l == 0: no visible key, an empty slot.  The FFMA s * scale - m uses the exact product while m was
     # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
     # r stays below 2^6 while |m| < 2^30, but beyond (logits far past any real attention, up to fp32's
     # overflow) the weights become 0 or inf and the row would be silently wrong: such rows are NaN,
-    # like overflowing rows in the union walk and decode.
+    # and the union walk and decode flag the same rows (``common.HUGE_LOGIT``).
     l_safe = tl.where(l > 0.0, l, 1.0)
     o = tl.dot(p, v) * (1.0 / l_safe)[:, None]
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
-    lse = tl.where(tl.abs(m) < 2.0**30, lse, float("nan"))
+    lse = tl.where(tl.abs(m) < HUGE_LOGIT, lse, float("nan"))
     return o, lse
 
 
@@ -264,7 +267,7 @@ def kv_centric_attn_kernel(
             tile_q = q
             tile_limit = tl.where(head_in_group < G, pos, -1)
             if DOT_FP32:
-                tile_q = tile_q.to(tl.float32)
+                tile_q = widen(tile_q)
             # prefetch: the next tile's rows (entries loaded one iteration ago), the entries after it
             next_token = (next_flat >> SLOT_BITS) - head_tokens
             next_member = tile_first + BLOCK_TOK + pair_row < run_end
@@ -275,8 +278,8 @@ def kv_centric_attn_kernel(
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             o, lse = _attend_tile(tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, MODEL_DTYPE, DOT_FP32)
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
-            tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
-                     mask=row_mask[:, None])  # fmt: skip
+            tl.store(partial_ptr + part_row[:, None] * D + dims[None, :],
+                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
             flat = next_flat
             token = next_token
             member = next_member
@@ -325,11 +328,15 @@ def merge_slots_kernel(
         w = tl.sum(tl.where(slots[None, :] == c, weights, 0.0), axis=1)  # [BLOCK_R]
         o = tl.load(partial_ptr + (c * total_rows.to(tl.int64) + rows[:, None]) * D + dims[None, :],
                     mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
-        acc += w[:, None] * o.to(tl.float32)
+        acc += w[:, None] * widen(o)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
         out = out * tl.load(v_scale_ptr)
-    tl.store(out_ptr + rows[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(
+        out_ptr + rows[:, None] * D + dims[None, :],
+        to_model_dtype(out, out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
 
 
 def sparse_attn_prefill_kv_centric(
