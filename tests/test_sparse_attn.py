@@ -848,7 +848,7 @@ block_h = max(triton.next_power_of_2(G), 16 // block_q)
 constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
                   IS_FP8=kv_type != "*bf16", NATIVE_FP8=native == "1", SCALE_MODE=int(scale_mode), DOT_FP32=False,
                   FP8_MANT=3, FP8_BIAS=8 if "b8" in kv_type else 7, FP8_FNUZ="b8" in kv_type, FP8_HAS_INF=False,
-                  FP16_DOTS=kv_type != "*bf16" and scale_mode != "2")
+                  FP16_DOTS=kv_type != "*bf16" and scale_mode != "2", PDL=target_name == "sm_90" and varlen != "1")
 pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                 v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 

@@ -38,13 +38,14 @@ because its bf16 dots are wrong; the roundings are kept so both paths see the sa
 """
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import launch, size_hint
+from mm3_compile.kernels._launch import launch, launches_traced, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, format_constants
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
@@ -360,9 +361,16 @@ def sparse_attn_fwd_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
 ):  # fmt: skip
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    if PDL:
+        # Every input (q, lists, tables, the cache, the counters) may come from the previous kernel: no
+        # memory access before the wait.  What overlaps is this grid's launch and the previous grid's
+        # tail; the next dependent launch may start its own launch as soon as every program is here.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     NO_KEY = tl.full([], 0x3FFFFFFFFFFFFFFF, tl.int64)  # sorts after every real (request, block) key
     pid = tl.program_id(0)
@@ -613,6 +621,19 @@ def kernel_options(
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
 
 
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for eager decode on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
+    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
+    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
+    argument."""
+    if platform.interpreting() or device.type != "cuda" or launches_traced():
+        return False
+    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
     """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
     or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
@@ -666,6 +687,9 @@ def launch_sparse_attn(
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
     decode_tile = cu_seqlens_q is None and block_q == 1
     bf16_decode = fmt is None and decode_tile
+    # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
+    pdl = cu_seqlens_q is None and use_pdl(q.device)
+    extra = dict(launch_pdl=True) if pdl else {}
     launch(
         sparse_attn_fwd_kernel, grid,
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
@@ -680,8 +704,8 @@ def launch_sparse_attn(
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
-        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD,
-        **fp8_constants,
+        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, PDL=pdl,
+        **fp8_constants, **extra,
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,
