@@ -929,11 +929,11 @@ build(kc.kv_centric_attn_kernel,
            FP8_BIAS=7, FP8_FNUZ=False, FP8_HAS_INF=False,
            FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
       dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-           partial_ptr=model, lse_ptr="*fp32"),
+           partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32"),
       ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), 4)
 build(kc.merge_slots_kernel,
       dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16, SCALE_OUT=model == "*fp16" and scale_mode == 1),
-      dict(partial_ptr=model, lse_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (), 4)
+      dict(partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (), 4)
 print("compiled")
 """
 
@@ -1176,3 +1176,58 @@ def test_bf16_subnormal_inputs(tiny, device, monkeypatch):
             assert err.max() <= 2.0**-5 and err.mean() < 2.0**-6, f"{path}: max {err.max():.3g} mean {err.mean():.3g}"
         else:
             assert_close(got.to(torch.bfloat16), expected, torch.bfloat16, f"{path}, tiny {tiny}")
+
+
+def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
+    """Programmatic dependent launch: never under the interpreter or on the CPU, never for launches traced
+    into a graph (Inductor's user-kernel launcher has no ``launch_pdl``), off with ``MM3_PDL=0``."""
+    from mm3_compile.kernels._launch import traced_launches
+
+    assert not sparse_common.use_pdl(torch.device("cpu"))
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert sparse_common.use_pdl(cuda)
+    with traced_launches():
+        assert not sparse_common.use_pdl(cuda)
+    monkeypatch.setenv("MM3_PDL", "0")
+    assert not sparse_common.use_pdl(cuda)
+    monkeypatch.setenv("MM3_PDL", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert not sparse_common.use_pdl(cuda)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
+    assert not sparse_common.use_pdl(cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+def test_gpu_decode_with_and_without_pdl(spec, device, monkeypatch):
+    """Decode launched with programmatic dependent launch (sm_90) gives the bits of the plain launch,
+    eagerly back to back (each call's inputs written by the kernel just before it) and replayed in a
+    CUDA graph, and matches the reference."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    case = build(device, [(4000, 1), (300, 1), (2000, 1)], D=128, Hkv=1, G=8, T=16, spec=spec,
+                 scale="scalar" if spec == "fp8" else "none", seed=23)  # fmt: skip
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("MM3_PDL", pdl)
+        q = torch.empty_like(case.q)
+        results = []
+        for i in range(4):
+            q.copy_(case.q * (1 + i))  # a copy kernel right before: the wait must order it
+            results.append(torch.ops.mm3.sparse_attn_decode(q, *case.decode_args()[1:]))
+        static_q = case.q.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_q.mul_(2)
+            graph_out = torch.ops.mm3.sparse_attn_decode(static_q, *case.decode_args()[1:])
+        static_q.copy_(case.q)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = results + [graph_out.clone()]
+    for a, b in zip(outs["0"], outs["1"]):
+        assert torch.equal(a, b)
+    ref = sparse_attn_decode_ref(case.q * 2, *case.decode_args()[1:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(outs["1"][-1], ref, torch.bfloat16, f"PDL graph {spec}")
