@@ -592,8 +592,6 @@ def _merge_partials(
     tl.store(out_ptrs, to_model_dtype(out, out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
-
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
