@@ -9,10 +9,18 @@ from torch._library.triton import set_wrap_triton_enabled
 from mm3_compile import platform
 
 _tracing = threading.local()
+# The Triton interpreter is not thread-safe: while it runs a kernel it patches ``triton.language``
+# module-wide, so kernels interpreted from two Python threads at once fail inside it
+# ("'tensor' object cannot be interpreted as an integer").  Interpreted launches take turns.
+_interpreter_lock = threading.Lock()
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel``; inside a traced op body this records a Triton kernel node instead."""
+    if platform.interpreting():
+        with _interpreter_lock:
+            torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return
     torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 

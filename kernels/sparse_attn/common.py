@@ -38,13 +38,14 @@ because its bf16 dots are wrong; the roundings are kept so both paths see the sa
 """
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import launch, size_hint
+from mm3_compile.kernels._launch import launch, launches_traced, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, format_constants
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
@@ -53,6 +54,39 @@ PAGE = tl.constexpr(128)  # tokens per page == sparse block size
 # One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer
 # ones slot by slot (Triton tensors hold at most 2^20 elements).
 MATRIX_DEDUP_SLOTS = tl.constexpr(1024)
+# The Triton interpreter converts fp32 -> bf16 by truncation toward zero (P and the outputs came out
+# biased low) and widens bf16 subnormals wrongly (3 * 2^-133 -> 2^-127); under it every bf16
+# conversion is done with integer arithmetic instead (``to_model_dtype``, ``widen``).  The GPU's
+# conversions are already round-to-nearest-even and exact, so compiled kernels keep them.
+EXACT_BF16 = tl.constexpr(platform.interpreting())
+# Rows one of whose blocks has a maximum log2-domain logit (sm_scale * log2(e) * q.k over the block's
+# visible keys) of magnitude >= 2^30 come out NaN in every schedule.  The KV-centric tile folds the
+# scale into one FFMA per logit (exp2(s * scale - m) with m rounded, see kv_centric._attend_tile), which
+# is exact up to a factor 2^r, |r| <= ulp(m) / 2, that cancels while |m| < 2^30 but overflows beyond;
+# the other schedules flag the same rows instead of answering where it cannot (such logits are ~7e8
+# in natural units, far past any attention a model computes).
+HUGE_LOGIT = tl.constexpr(2.0**30)
+
+
+@triton.jit
+def widen(x):
+    """x (bf16, fp16 or fp32) -> fp32, exactly (bf16 subnormals included)."""
+    if EXACT_BF16 and x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_model_dtype(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE (bf16/fp16/fp32), rounded to nearest even (NaN stays NaN, overflow -> inf)."""
+    if EXACT_BF16 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to the even upper half
+        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)  # a NaN stays a (quiet) NaN
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -81,11 +115,11 @@ def _load_kv_tile(
             x = tl.where(mask, x, 0.0)
         if SCALE_MODE != 0:
             x = x * scale
-        x = x.to(MODEL_DTYPE)
+        x = to_model_dtype(x, MODEL_DTYPE)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     if DOT_FP32:
-        x = x.to(tl.float32)
+        x = widen(x)
     return x
 
 
@@ -144,6 +178,7 @@ def _attend_loaded(
     m,  # [BLOCK_M] running max (log2 domain)
     l,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, D] fp32
+    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
     k,  # [D, 128] dot dtype
     v,  # [128, D] dot dtype
     visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
@@ -151,20 +186,23 @@ def _attend_loaded(
     P_DTYPE: tl.constexpr,  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
     DOT_FP32: tl.constexpr,
 ):
-    """Online-softmax update of (m, l, acc) with one QK and one PV dot over a loaded block."""
+    """Online-softmax update of (m, l, acc, low) with one QK and one PV dot over a loaded block; ``low`` is
+    the smallest block maximum seen (``HUGE_LOGIT``)."""
     s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
+    block_max = tl.max(s, axis=1)
+    low = tl.where(block_max == float("-inf"), low, tl.minimum(low, block_max))
+    m_new = tl.maximum(m, block_max)
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    p = p.to(P_DTYPE)
+    p = to_model_dtype(p, P_DTYPE)
     if DOT_FP32:
-        p = p.to(tl.float32)
+        p = widen(p)
     acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l, acc
+    return m_new, l, acc, low
 
 
 @triton.jit
@@ -173,6 +211,7 @@ def _attend_block(
     m,  # [BLOCK_M] running max (log2 domain)
     l,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, D] fp32
+    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
     head_base,  # kv_ptr at this KV head
     page,  # int64 physical page of the block
     key_ok,  # [128] key exists (valid block, < seq_len)
@@ -203,7 +242,7 @@ def _attend_block(
         D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF, FP16_DOTS,
     )  # fmt: skip
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    return _attend_loaded(q, m, l, acc, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
+    return _attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
 
 
 @triton.jit
@@ -322,9 +361,16 @@ def sparse_attn_fwd_kernel(
     FP8_FNUZ: tl.constexpr,
     FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
 ):  # fmt: skip
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    if PDL:
+        # Every input (q, lists, tables, the cache, the counters) may come from the previous kernel: no
+        # memory access before the wait.  What overlaps is this grid's launch and the previous grid's
+        # tail; the next dependent launch may start its own launch as soon as every program is here.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     NO_KEY = tl.full([], 0x3FFFFFFFFFFFFFFF, tl.int64)  # sorts after every real (request, block) key
     pid = tl.program_id(0)
@@ -374,7 +420,7 @@ def sparse_attn_fwd_kernel(
         # spans fp32's normal exponents, which cover every bf16 maximum (a subnormal maximum below
         # 2^-113 lands in [2^-6, 2^14), still normal in fp16).  Rows whose maximum is 0, inf or NaN
         # keep scale 1.  The logit factor is formed in fp64: sm_scale * k_scale alone may pass fp32.
-        q = q.to(tl.float32)
+        q = widen(q)
         row_max = tl.max(tl.abs(q), axis=1)  # [BLOCK_M]
         max_exponent = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         usable = (row_max > 0.0) & (row_max < float("inf"))
@@ -384,12 +430,12 @@ def sparse_attn_fwd_kernel(
         factor = qk_scale.to(tl.float64) * tl.cast(k_scale, tl.float64) / q_scale.to(tl.float64)
         qk_scale = factor.to(tl.float32)[:, None]  # [BLOCK_M, 1] logit factor per row
     if DOT_FP32:
-        q = q.to(tl.float32)
-
+        q = widen(q)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    low = tl.full([BLOCK_M], float("inf"), tl.float32)
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     if BLOCK_Q == 1:
         # One token: walk its slots with a counted loop.  Every slot's page was resolved above, with
@@ -438,8 +484,8 @@ def sparse_attn_fwd_kernel(
             key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions
             key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
             visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
-            m, l, acc = _attend_block(
-                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+            m, l, acc, low = _attend_block(
+                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
                 D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
@@ -466,8 +512,8 @@ def sparse_attn_fwd_kernel(
             key_pos = block * PAGE + offs  # [128] logical positions
             key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
             visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
-            m, l, acc = _attend_block(
-                q, m, l, acc, head_base, page, key_ok, visible, k_scale, v_scale,
+            m, l, acc, low = _attend_block(
+                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
                 D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
@@ -477,6 +523,8 @@ def sparse_attn_fwd_kernel(
 
     has_keys = l > 0.0
     o = acc / tl.where(has_keys, l, 1.0)[:, None]  # rows that saw no key stay exactly 0
+    huge = (m >= HUGE_LOGIT) | (low <= -HUGE_LOGIT)  # the contract's NaN rows, as in every schedule
+    o = tl.where(huge[:, None], float("nan"), o)
     # FP16_DOTS: v_scale multiplies the normalised output (acc, a sum of up to T * 128 weighted values,
     # could overflow); a split's partial stays unscaled (|o| <= max |FP8|) and the merger scales the
     # merged row, which may fit the model dtype where one split's scaled partial would not.
@@ -495,9 +543,10 @@ def sparse_attn_fwd_kernel(
             split_rows = total_q * Hq
             part_offset = split.to(tl.int64) * split_rows + row_offset
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+            lse = tl.where(huge, float("nan"), lse)
             tl.store(lse_ptr + part_offset, lse, mask=row_mask)
-            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
-                     mask=row_mask[:, None])  # fmt: skip
+            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :],
+                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
             tl.debug_barrier()
             counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
@@ -509,9 +558,9 @@ def sparse_attn_fwd_kernel(
                     partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, v_scale, D, FP16_DOTS
                 )  # fmt: skip
         else:
-            tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+            tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
-        tl.store(out_ptrs, o_out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit
@@ -534,15 +583,13 @@ def _merge_partials(
         ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key so far: weights 0, nothing NaN
         rescale = tl.exp2(lse_max - ref)
         w = tl.exp2(lse - ref)
-        acc = acc * rescale[:, None] + w[:, None] * o.to(tl.float32)
+        acc = acc * rescale[:, None] + w[:, None] * widen(o)
         weight_sum = weight_sum * rescale + w
         lse_max = new_max
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
         out = out * out_scale
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
-
-
+    tl.store(out_ptrs, to_model_dtype(out, out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
 @functools.cache
@@ -570,6 +617,19 @@ def kernel_options(
     one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count(index)
     num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for eager decode on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
+    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
+    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
+    argument."""
+    if platform.interpreting() or device.type != "cuda" or launches_traced():
+        return False
+    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
@@ -625,6 +685,9 @@ def launch_sparse_attn(
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
     decode_tile = cu_seqlens_q is None and block_q == 1
     bf16_decode = fmt is None and decode_tile
+    # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
+    pdl = cu_seqlens_q is None and use_pdl(q.device)
+    extra = dict(launch_pdl=True) if pdl else {}
     launch(
         sparse_attn_fwd_kernel, grid,
         q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
@@ -639,8 +702,8 @@ def launch_sparse_attn(
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
         IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
-        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD,
-        **fp8_constants,
+        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, PDL=pdl,
+        **fp8_constants, **extra,
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,

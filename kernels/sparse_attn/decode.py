@@ -9,13 +9,16 @@ valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbol
 being guarded.  With one split there are no partials and no counters.
 
 Arrival counters must be zero when the kernel starts; the merging program zeroes its counter
-again.  Eager calls on a device's default stream, and CUDA-graph captures once such a call has
+again.  Eager calls on a CUDA device's default stream, and CUDA-graph captures once such a call has
 happened, therefore share one zeroed buffer per device, kept for the life of the process (no
-memset per step): graphs captured with it must not be replayed while another of them, or an
-eager decode call on the default stream, is still running on another stream.  Everything else gets
-a fresh ``torch.zeros`` (a memset): calls on other streams, captures before any eager call, grids
-larger than the buffer, and bodies traced for a graph (so a compiled step zeroes its own counters,
-~1 us).
+memset per step): calls on one stream run one after the other, whichever Python thread issues
+them; graphs captured with it must not be replayed while another of them, or an eager decode call
+on the default stream, is still running on another stream.  Everything else gets a fresh
+``torch.zeros`` (a memset): calls on other streams (two of them may run at once), captures before
+any eager call, grids larger than the buffer, bodies traced for a graph (so a compiled step zeroes
+its own counters, ~1 us), and every CPU call: the interpreter runs a call's programs on the calling
+thread, so calls from several Python threads interleave and one call's merge would fire on
+another's arrivals.
 
 The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq_rel atomic).
 AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.
@@ -73,9 +76,10 @@ def _arrival_counters(count, like: torch.Tensor) -> torch.Tensor:
     """``count`` zeroed int32 counters on ``like``'s device (the module docstring says when they are shared)."""
     device = like.device
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    default_stream = device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    default_stream = device.type == "cuda" and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
     shareable = (
-        type(like) is torch.Tensor  # not a fake or functional tensor
+        device.type == "cuda"  # CPU calls (the interpreter) may run concurrently from threads: fresh counters each
+        and type(like) is torch.Tensor  # not a fake or functional tensor
         and get_proxy_mode() is None
         and not launches_traced()
         and isinstance(count, int)

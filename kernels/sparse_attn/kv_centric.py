@@ -35,11 +35,14 @@ a bf16 model dequantised with their scales (bf16 holds any fp32 magnitude); for 
 scalar or no scales, unscaled (every FP8 value fits fp16) with k_scale folded into the logit factor
 and v_scale applied to the merged rows, so large scales cannot overflow fp16 (per-token-head scales are
 applied to the values, which must then fit the model dtype, as in every schedule).  Partials are
-stored in the model dtype (|o| <= max |V| up to P's rounding, so fp16 overflows only for |V| within
-2^-11 of its maximum):
-one more rounding per block than the union walk (H200, TP1 1x8192 bf16, sampled tokens vs float64:
-max error 1.0e-3 vs 7.8e-4), at half the traffic of fp32 partials (which measured 3.9 vs 2.9 ms for
-the whole op).
+fp16 scaled per (slot, row) by a power of two 2^shift (stored beside the lse as 2^-shift): shift
+brings the block's max |V| into [2^14, 2^15), and |o| <= max |V| (up to P's rounding), so every
+partial fits fp16 with 11 significant bits, where bf16 partials kept 8.  That is one more rounding
+per block than the union walk, 8x finer than the model dtype's: the CPU recipe of issue #26 (mean
+|out - bf16(fp64 oracle)|) measured 2.1e-4 with bf16 partials, 1.7e-4 with fp32 ones (= the union
+walk), at half the traffic of fp32 partials (H200: 3.9 vs 2.9 ms for the whole op with fp32).  The
+scale joins the 1 / l factor of the tile and the slot's weight in the merge, so it costs no
+per-element instruction; the block's max |V| is one reduction per run.
 """
 
 import torch
@@ -48,6 +51,7 @@ import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.sparse_attn.common import (
+    HUGE_LOGIT,
     LOG2E,
     PAGE,
     _load_block,
@@ -57,6 +61,8 @@ from mm3_compile.kernels.sparse_attn.common import (
     _slot_window,
     kernel_options,
     kv_launch_args,
+    to_model_dtype,
+    widen,
 )
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
@@ -128,10 +134,12 @@ def _attend_tile(
     limit,  # [BLOCK_M] last key position a row may see (-1: none); read only when ``diagonal``
     diagonal,  # scalar: the block is the rows' own, mask keys after each row's position
     qk_scale,  # >= 0, log2(e) folded in
+    v_shift,  # int32 scalar: 2^v_shift brings the block's max |V| into [2^14, 2^15) (see ``v_partial_shift``)
     P_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One block's attention for fresh rows: (normalised output [BLOCK_M, D] fp32, log2-sum-exp [BLOCK_M]).
+    """One block's attention for fresh rows: (normalised output times 2^shift [BLOCK_M, D] fp32, its
+    log2-sum-exp [BLOCK_M], 2^-shift [BLOCK_M]), the output scaled to be stored as an fp16 partial.
 
     Off the diagonal every key is visible and rows without a pair have q = 0, so nothing is masked.
     The max is taken on the raw logits (``qk_scale >= 0``) and the scale folded into the exponent;
@@ -147,19 +155,36 @@ def _attend_tile(
     if diagonal:
         p = tl.where(key_pos[None, :] <= limit[:, None], p, 0.0)
     l = tl.sum(p, axis=1)
-    p = p.to(P_DTYPE)
+    p = to_model_dtype(p, P_DTYPE)
     if DOT_FP32:
-        p = p.to(tl.float32)
+        p = widen(p)
     # l == 0: no visible key, an empty slot.  The FFMA s * scale - m uses the exact product while m was
     # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
     # r stays below 2^6 while |m| < 2^30, but beyond (logits far past any real attention, up to fp32's
     # overflow) the weights become 0 or inf and the row would be silently wrong: such rows are NaN,
-    # like overflowing rows in the union walk and decode.
+    # and the union walk and decode flag the same rows (``common.HUGE_LOGIT``).
     l_safe = tl.where(l > 0.0, l, 1.0)
-    o = tl.dot(p, v) * (1.0 / l_safe)[:, None]
+    inv_l = 1.0 / l_safe
+    # The power of two joins the 1 / l factor (no extra multiply per element); it is limited so that the
+    # factor stays a normal fp32 (|r| < 2^6 bounds l) and 2^-shift too.
+    inv_exp = ((inv_l.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [BLOCK_M]
+    shift = tl.minimum(tl.maximum(v_shift, -126 - inv_exp), 126 - inv_exp)
+    shift = tl.minimum(tl.maximum(shift, -126), 126)
+    factor = inv_l * ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    o = tl.dot(p, v) * factor[:, None]
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
-    lse = tl.where(tl.abs(m) < 2.0**30, lse, float("nan"))
-    return o, lse
+    lse = tl.where(tl.abs(m) < HUGE_LOGIT, lse, float("nan"))
+    return o, lse, ((127 - shift) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def v_partial_shift(v):
+    """The exponent that brings max |V| of a block into [2^14, 2^15): every normalised output row of the
+    block (|o| <= max |V|, up to P's rounding) then fits fp16 with its 11 significant bits (0 for an
+    all-zero or non-finite block)."""
+    v_max = widen(tl.max(tl.abs(v)))
+    v_exp = ((v_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # -127 for a subnormal maximum
+    return tl.where((v_max > 0.0) & (v_max < float("inf")), 14 - v_exp, 0)
 
 
 @triton.jit
@@ -173,8 +198,9 @@ def kv_centric_attn_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     k_scale_ptr,
     v_scale_ptr,
-    partial_ptr,  # [T, total_q, Hq, D] model dtype
+    partial_ptr,  # [T, total_q, Hq, D] fp16, the normalised output times 2^shift
     lse_ptr,  # [T, total_q, Hq] fp32
+    unscale_ptr,  # [T, total_q, Hq] fp32: 2^-shift
     num_pairs,
     uncounted,
     total_q,
@@ -243,6 +269,7 @@ def kv_centric_attn_kernel(
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         if negate_k:
             k = -k
+        v_shift = v_partial_shift(v)
         heads = kv_head * G + head_in_group  # [BLOCK_M]
         head_tokens = kv_head.to(tl.int64) * total_q
         # Tiles are software-pipelined by hand, in registers: tile i + 1's query rows and tile i + 2's
@@ -264,7 +291,7 @@ def kv_centric_attn_kernel(
             tile_q = q
             tile_limit = tl.where(head_in_group < G, pos, -1)
             if DOT_FP32:
-                tile_q = tile_q.to(tl.float32)
+                tile_q = widen(tile_q)
             # prefetch: the next tile's rows (entries loaded one iteration ago), the entries after it
             next_token = (next_flat >> SLOT_BITS) - head_tokens
             next_member = tile_first + BLOCK_TOK + pair_row < run_end
@@ -273,10 +300,13 @@ def kv_centric_attn_kernel(
                         mask=(next_member & (head_in_group < G))[:, None], other=0.0)  # fmt: skip
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
-            o, lse = _attend_tile(tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, MODEL_DTYPE, DOT_FP32)
+            o, lse, unscale = _attend_tile(
+                tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, v_shift, MODEL_DTYPE, DOT_FP32
+            )
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
-            tl.store(partial_ptr + part_row[:, None] * D + dims[None, :], o.to(partial_ptr.dtype.element_ty),
-                     mask=row_mask[:, None])  # fmt: skip
+            tl.store(unscale_ptr + part_row, unscale, mask=row_mask)
+            tl.store(partial_ptr + part_row[:, None] * D + dims[None, :],
+                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
             flat = next_flat
             token = next_token
             member = next_member
@@ -288,8 +318,9 @@ def kv_centric_attn_kernel(
 @triton.jit
 def merge_slots_kernel(
     keys_ptr,  # [Hkv, total_q, BLOCK_T] int32, < uncounted: the slot holds a partial
-    partial_ptr,  # [T, total_q * Hq, D]
+    partial_ptr,  # [T, total_q * Hq, D] fp16, scaled by 2^shift
     lse_ptr,  # [T, total_q * Hq] fp32
+    unscale_ptr,  # [T, total_q * Hq] fp32: 2^-shift
     out_ptr,  # [total_q * Hq, D]
     v_scale_ptr,  # fp32 scalar, read when SCALE_OUT
     total_q,
@@ -319,17 +350,24 @@ def merge_slots_kernel(
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.where(counted, tl.exp2(lse - ref[:, None]), 0.0)
     weight_sum = tl.sum(weights, axis=1)
+    unscale = tl.load(unscale_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted,
+                      other=0.0)  # fmt: skip
+    part_weights = weights * unscale  # each slot's weight and its partial's 2^-shift, once per row
     dims = tl.arange(0, D)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for c in range(0, BLOCK_T):
-        w = tl.sum(tl.where(slots[None, :] == c, weights, 0.0), axis=1)  # [BLOCK_R]
+        w = tl.sum(tl.where(slots[None, :] == c, part_weights, 0.0), axis=1)  # [BLOCK_R]
         o = tl.load(partial_ptr + (c * total_rows.to(tl.int64) + rows[:, None]) * D + dims[None, :],
                     mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
-        acc += w[:, None] * o.to(tl.float32)
+        acc += w[:, None] * widen(o)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
         out = out * tl.load(v_scale_ptr)
-    tl.store(out_ptr + rows[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(
+        out_ptr + rows[:, None] * D + dims[None, :],
+        to_model_dtype(out, out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
 
 
 def sparse_attn_prefill_kv_centric(
@@ -369,8 +407,10 @@ def sparse_attn_prefill_kv_centric(
     block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
     pairs = block_tok * TILES_PER_PROGRAM
     num_pairs = Hkv * total_q * block_t
-    partial = empty_row_major((T, total_q, Hq, D), q.dtype, q.device)  # written and read per counted slot
+    # written and read per counted slot
+    partial = empty_row_major((T, total_q, Hq, D), torch.float16, q.device)
     lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
+    unscale = empty_row_major((T, total_q, Hq), torch.float32, q.device)
     kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
         kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
     )
@@ -380,7 +420,7 @@ def sparse_attn_prefill_kv_centric(
     fold_scales = fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and q.dtype == torch.float16
     launch(
         kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
-        q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse,
+        q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse, unscale,
         num_pairs, uncounted, total_q, Hq, num_reqs, max_blocks, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
@@ -391,7 +431,8 @@ def sparse_attn_prefill_kv_centric(
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
-        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, out, v_scale, total_q, Hq,
+        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, unscale, out, v_scale,
+        total_q, Hq,
         uncounted, G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SCALE_OUT=fold_scales and scale_mode == 1,
         num_warps=4,
     )  # fmt: skip

@@ -93,7 +93,7 @@ def _check_prefill(
 def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale):
     checked = _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
     num_reqs, total_q = seq_lens.shape[0], q.shape[0]
-    if num_reqs == 0 or total_q % num_reqs != 0:
+    if num_reqs == 0 or total_q == 0 or total_q % num_reqs != 0:  # every request decodes >= 1 token
         raise ValueError(
             f"q: uniform decode needs total_q ({total_q}) to be a positive multiple of num_reqs ({num_reqs}, "
             "the length of seq_lens)"

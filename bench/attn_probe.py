@@ -1,0 +1,148 @@
+"""One-call H200 probe of the attention changes of issue #26 (run by the integrator; < 150 s).
+
+For decode B1 / B32 at seq 32768, TP1 (Hq 64, Hkv 4) and TP8 (Hq 8, Hkv 1), bf16 and FP8 KV: the
+op's output on rotated set 0 against the float64 reference on sampled tokens, then CUDA-graph replay
+time (>= 32 calls per graph over input sets rotated past the L2) with programmatic dependent launch
+on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager.
+Prefill TP1 1x8192 bf16: mean |out - fp64 reference| on 16 sampled tokens and ``do_bench`` time.
+GB/s are against a same-run 2 GiB device-to-device copy (read + write).  Prints one table last and
+writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
+
+    python bench/attn_probe.py            # every row
+    python bench/attn_probe.py --quick    # B1 rows and prefill only
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import triton
+
+from bench import inputs as bench_inputs
+from bench.refs import compare, naive_attention_on_sample, sample_tokens
+
+MIN_POOL_BYTES = 1 << 30  # as bench/attention.py: rotated sets do not share L2 lines
+CALLS_PER_GRAPH = 32
+REPLAYS = 10
+WINDOWS = 5
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=40)
+    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def decode_call(inp, s):
+    return torch.ops.mm3.sparse_attn_decode(
+        s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, inp.sm_scale, inp.case.kv_cache_dtype,
+        inp.k_scale, inp.v_scale,
+    )  # fmt: skip
+
+
+def graph_time_us(inp) -> tuple[float, bool]:
+    """Per-call time of graph replays (median of windows), and whether the graph's output equals eager's."""
+    sets = inp.sets
+    eager = decode_call(inp, sets[(CALLS_PER_GRAPH - 1) % len(sets)])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [decode_call(inp, sets[i % len(sets)]) for i in range(CALLS_PER_GRAPH)]
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(outs[-1], eager)
+    times = []
+    for _ in range(WINDOWS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH))
+    del graph, outs
+    return sorted(times)[len(times) // 2], same
+
+
+def decode_rows(quick: bool, copy: float) -> list[dict]:
+    rows = []
+    shapes = [(1, 32768)] if quick else [(1, 32768), (32, 32768)]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for B, seq in shapes:
+        for kv in ("bf16", "fp8"):
+            for tp, Hq, Hkv in (("TP1", 64, 4), ("TP8", 8, 1)):
+                case = bench_inputs.AttnCase("decode", tp, Hq, Hkv, 128, (1,) * B, (seq,) * B, kv)
+                inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
+                tokens = sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
+                ref = naive_attention_on_sample(inp, inp.sets[0], tokens)
+                for pdl in ("1", "0"):
+                    os.environ["MM3_PDL"] = pdl
+                    out = decode_call(inp, inp.sets[0])
+                    got = out[tokens.to(out.device)].float().cpu()
+                    ok, max_err = compare(got, ref)
+                    us, same = graph_time_us(inp)
+                    gbps = (inp.kv_bytes + inp.io_bytes) / (us * 1e-6) / 1e9
+                    rows.append({"row": f"decode {tp} B{B} {kv}", "pdl": pdl, "ok": ok and same, "max_err": max_err,
+                                     "mean_err": float((got - ref).abs().mean()), "us": us, "pct": 100 * gbps / copy})  # fmt: skip
+                del inp
+                torch.cuda.empty_cache()
+    os.environ.pop("MM3_PDL", None)
+    return rows
+
+
+def prefill_row() -> dict:
+    case = bench_inputs.AttnCase("prefill", "TP1", 64, 4, 128, (8192,), (8192,), "bf16")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
+    s = inp.sets[0]
+
+    def call():
+        return torch.ops.mm3.sparse_attn_prefill(
+            s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.cu_seqlens_q, inp.seq_lens, inp.sm_scale,
+            inp.case.kv_cache_dtype, inp.k_scale, inp.v_scale,
+        )  # fmt: skip
+
+    out = call()
+    tokens = sample_tokens(inp.pos.shape[0], 16, gen_seed=len(case.key))
+    ref = naive_attention_on_sample(inp, s, tokens)
+    got = out[tokens.to(out.device)].float().cpu()
+    ref = ref.float().cpu()
+    ok, max_err = compare(got, ref)
+    ms = triton.testing.do_bench(call, warmup=3, rep=60)
+    tflops = inp.flops / (ms * 1e-3) / 1e12
+    return {"row": "prefill TP1 1x8192 bf16", "pdl": "-", "ok": ok, "max_err": max_err,
+                "mean_err": float((got - ref).abs().mean()), "us": ms * 1e3, "pct": tflops}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    import mm3_compile  # noqa: F401  (registers the ops)
+
+    begin = time.time()
+    copy = copy_gbps()
+    rows = decode_rows(args.quick, copy)
+    rows.append(prefill_row())
+    lines = [
+        (
+            f"copy ceiling {copy:.0f} GB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
+            f"{triton.__version__}; {time.time() - begin:.0f} s"
+        ),
+        "| row | PDL | correct | max err | mean err | us | % copy (decode) / TFLOP/s (prefill) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['pdl']} | {r['ok']} | {r['max_err']:.2e} | {r['mean_err']:.2e} | "
+                     f"{r['us']:.2f} | {r['pct']:.1f} |")  # fmt: skip
+    table = "\n".join(lines)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attn_probe.md"), "w") as f:
+            f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
