@@ -233,7 +233,12 @@ def test_ocp_to_fnuz_conversion_is_exact_for_every_byte_and_scale():
         assert dtype == platform.FP8_E4M3_FNUZ
         got_values, got_scales = checkpoint.ocp_mxfp8_to_platform(values, scales, dtype)
         assert got_values.dtype == dtype
-        assert _same_numbers(mxfp8_dequantize(got_values, got_scales, torch.float32), want)
+        finite_scale = scales != 255  # E8M0 NaN: the dequantizers disagree on 0 x 2^128 (a NaN block either way)
+        rows = finite_scale.all(-1)
+        got = mxfp8_dequantize(got_values, got_scales, torch.float32)
+        assert _same_numbers(got[rows], want[rows])
+        nan_row = scale_bytes.index(255)  # its bytes are mapped like any other block's, its scale stays NaN
+        assert not rows[nan_row] and torch.equal(got_values[nan_row].view(torch.uint8), got_values[0].view(torch.uint8))
         assert (got_scales.int() - scales.int()).tolist() == [[1] * 8] * 5 + [[0] * 8] * 2  # 255 and 254 stay
         # negative control: the OCP bytes read as FNUZ without the conversion are other numbers
         raw = mxfp8_dequantize(values.view(torch.uint8).view(dtype), scales, torch.float32)
@@ -241,7 +246,7 @@ def test_ocp_to_fnuz_conversion_is_exact_for_every_byte_and_scale():
         finite = torch.isfinite(want) & (want != 0)
         assert (raw[finite] / want[finite] == 0.5).float().mean() > 0.9  # the read-as-FNUZ error is a factor 2
         big = torch.tensor([[448.0] * 32]).to(platform.FP8_E4M3_OCP)
-        with pytest.raises(CheckpointError, match="w: 1 values in blocks at the largest E8M0 scale exceed"):
+        with pytest.raises(CheckpointError, match="w: 32 values in blocks at the largest E8M0 scale exceed"):
             checkpoint.ocp_mxfp8_to_platform(big, torch.tensor([[254]], dtype=torch.uint8), dtype, "w")
 
 
