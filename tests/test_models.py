@@ -3,7 +3,8 @@
 Comparisons are teacher forced (each sub-block gets the op model's own input, see reference.py): an error is
 ``max |op - ref|`` of a sub-block's output beyond one bf16 ulp (the residual add's rounding), over
 ``max |update|`` of that sub-block.  Measured on CPU: attention ~1e-2 (bf16 activations, the kernel's bf16 P),
-MLP/MoE 0 eager; tolerance 5e-2.  Logits: within 5e-2 of their max.  Top-k block selections
+MLP/MoE <= 1e-3 eager (same quantization points; the MXFP8 GEMM kernels sum in another order than the
+reference's matmul, so a bf16 output may round one ulp away); tolerance 5e-2.  Logits: within 5e-2 of their max.  Top-k block selections
 must match the reference exactly (as sets).
 
 To keep the interpreter cheap, most tests start from a cached prefix (>= 3 blocks of context, computed by the
@@ -39,6 +40,7 @@ from mm3_compile.models.reference import (
 )
 
 TOL = 5e-2
+GEMM_ORDER_TOL = 2e-3  # MLP/MoE sub-blocks at the same quantization points, different GEMM summation order
 PREFIX = [300, 150]  # request 0 sees 3 blocks (> topk 2), request 1 two
 CHUNK = [5, 3]
 
@@ -152,9 +154,12 @@ def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
         swapped[token, k - 1] = ranked[token, k]
         other[token, k - 1] = ranked[token, k + 1]
         too_wide[wide, k - 1] = ranked[wide, k]
-        assert errors(ranked[:, :k]) == (0.0, 0)  # same route: the reference's numerics exactly
+        # same route: the reference's quantization points; the MXFP8 grouped GEMM sums in another order than the
+        # reference's fp32 matmul, so a bf16 GEMM output may round one ulp away (measured 7.5e-4)
+        err, swaps = errors(ranked[:, :k])
+        assert err <= GEMM_ORDER_TOL and swaps == 0, err
         err, swaps = errors(swapped)
-        assert err == 0.0 and swaps == 1
+        assert err <= GEMM_ORDER_TOL and swaps == 1, err
         for routes in (other, too_wide):
             err, swaps = errors(routes)
             assert err > TOL and swaps == 0, (err, swaps)
