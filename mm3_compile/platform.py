@@ -336,3 +336,15 @@ def triton_native_fp8(dtype: torch.dtype, device: torch.device) -> bool:
         return not fmt.fnuz
     major, minor = torch.cuda.get_device_capability(device)
     return not fmt.fnuz and (major, minor) >= (8, 9)
+
+
+def triton_native_fp8_encode(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a Triton kernel on ``device`` may encode ``dtype`` with the hardware conversion.
+
+    Only OCP formats on NVIDIA: ``cvt.rn.satfinite`` gives the same bytes as the integer encoder
+    (round to nearest even, saturating, NaN kept) at a fraction of the instructions.  Elsewhere
+    kernels build the byte with integer arithmetic.
+    """
+    if fp8_format(dtype).fnuz or not triton_native_fp8(dtype, device):
+        return False
+    return hardware_vendor(device) == "nvidia"

@@ -258,13 +258,13 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mm3_compile import platform
-from mm3_compile.kernels.fp8 import format_constants
+from mm3_compile.kernels.fp8 import NATIVE_E4M3FN, FP8Launch
 from mm3_compile.kernels.moe.gemm import _mxfp8_gemm_kernel as kernel
 
+fp8 = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True, native_store=NATIVE_E4M3FN)  # sm_90
 consts = dict(
     GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, ROUND_BF16=True, INT_ROUND=False, BLOCK_M=16, BLOCK_N=32,
-    BLOCK_K=128, DOT_DTYPE=tl.bfloat16, NATIVE_FP8=True, E8M0_BIAS_=127,
-    **format_constants(platform.fp8_format(platform.FP8_E4M3_OCP)),
+    BLOCK_K=128, DOT_DTYPE=tl.bfloat16, **fp8.constexprs(),
 )
 pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
 signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 4))

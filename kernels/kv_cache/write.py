@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import launch
-from mm3_compile.kernels.fp8 import fp8_encode, format_constants
+from mm3_compile.kernels.fp8 import fp8_encode, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
 from mm3_compile.contract import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.platform import FP8Format, hardware_vendor, interpreting
@@ -66,13 +66,11 @@ def _kv_cache_write_kernel(
     stride_vss,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    IS_FP8: tl.constexpr,
     SCALE_MODE: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py); FP8 == 0: a bf16/fp16 cache
     FP8_MAX: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
     EXACT_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -89,19 +87,15 @@ def _kv_cache_write_kernel(
     k = tl.load(key_ptr + (tokens * stride_kt + heads * stride_kh)[:, None] + d[None, :], mask=mask, other=0.0)
     v = tl.load(value_ptr + (tokens * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask=mask, other=0.0)
     dst = cache_ptr + (pages * stride_cb + heads * stride_ch + offsets * stride_cp)[:, None] + d[None, :]
-    if IS_FP8:
+    if FP8 != 0:
         dst = dst.to(tl.pointer_type(tl.uint8))  # FP8 is stored as the encoder's bytes
         k = _scale_rows(to_fp32(k, EXACT_BF16), k_scale_ptr, heads, slots, row_ok, stride_ksh, stride_kss, SCALE_MODE)
         v = _scale_rows(to_fp32(v, EXACT_BF16), v_scale_ptr, heads, slots, row_ok, stride_vsh, stride_vss, SCALE_MODE)
-        tl.store(dst, fp8_encode(k, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
-        tl.store(dst + D, fp8_encode(v, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ).to(tl.uint8), mask=mask)
+        tl.store(dst, fp8_encode(k, FP8, FP8_MAX).to(tl.uint8), mask=mask)
+        tl.store(dst + D, fp8_encode(v, FP8, FP8_MAX).to(tl.uint8), mask=mask)
     else:
         tl.store(dst, k, mask=mask)
         tl.store(dst + D, v, mask=mask)
-
-
-def _no_fp8_constants() -> dict:
-    return dict(FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False)
 
 
 def kv_cache_write(
@@ -134,7 +128,7 @@ def kv_cache_write(
     num_rows = num_tokens * num_heads
     # The interpreter runs one numpy program at a time: few, large programs are fastest there.
     block_r = 64 if interpreting() else 16
-    constants = format_constants(fmt) if fmt is not None else _no_fp8_constants()
+    fp8 = fp8_launch(fmt, target)  # the kernel always encodes with integer arithmetic (stores bytes)
     launch(
         _kv_cache_write_kernel, (triton.cdiv(num_rows, block_r),),
         key, value, target, slot_mapping, k_scale, v_scale,
@@ -142,6 +136,5 @@ def kv_cache_write(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         target.stride(0), target.stride(1), target.stride(2),
         *k_strides, *v_strides,
-        D=D, BLOCK_R=block_r, IS_FP8=fmt is not None, SCALE_MODE=scale_mode, EXACT_BF16=exact_bf16(),
-        num_warps=4, **constants,
+        D=D, BLOCK_R=block_r, SCALE_MODE=scale_mode, EXACT_BF16=exact_bf16(), num_warps=4, **fp8.constexprs(),
     )  # fmt: skip

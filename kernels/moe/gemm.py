@@ -17,39 +17,38 @@ import torch
 import triton
 import triton.language as tl
 from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.fp8 import format_constants, fp8_decode
+from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.kernels.moe.schedule import GemmConfig
 
 from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 from mm3_compile.platform import FP8Format
 
+MX = tl.constexpr(MX_BLOCK_SIZE)  # values per E8M0 scale (a Triton global must be a constexpr instance)
+SCALE_NAN = tl.constexpr(2 * E8M0_BIAS + 1)  # the E8M0 NaN byte
+
 
 @triton.jit
 def _mx_tile(
-    codes,  # [R, C] typed FP8 (NATIVE_FP8) or uint8 bytes
+    codes,  # [R, C] typed FP8 (FP8_NATIVE_LOAD) or uint8 bytes
     scale_bytes,  # [R, C / 32] uint8 E8M0
     R: tl.constexpr,
     C: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
-    E8M0_BIAS_: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
 ):
     """values x 2^(scale - 127) -> [R, C] in OUT_DTYPE (exact: bf16 holds every scaled FP8 value)."""
-    if NATIVE_FP8:
+    if FP8_NATIVE_LOAD:
         v = codes.to(tl.float32)
     else:
-        v = fp8_decode(codes, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+        v = fp8_decode(codes, FP8)
     s = scale_bytes.to(tl.int32)
     # 2^(s - 127) as fp32 bits: a normal exponent field for s >= 1; s = 0 is the subnormal 2^-127; 255 is NaN
     bits = tl.where(s == 0, 0x400000, s << 23)
-    bits = tl.where(s == 2 * E8M0_BIAS_ + 1, 0x7FC00000, bits)
+    bits = tl.where(s == SCALE_NAN, 0x7FC00000, bits)
     factor = bits.to(tl.float32, bitcast=True)
-    blocks = tl.reshape(v, (R, C // 32, 32)) * tl.reshape(factor, (R, C // 32, 1))
+    blocks = tl.reshape(v, (R, C // MX, MX)) * tl.reshape(factor, (R, C // MX, 1))
     return tl.reshape(blocks, (R, C)).to(OUT_DTYPE)
 
 
@@ -67,7 +66,7 @@ def _round_bf16(v, INT_ROUND: tl.constexpr):
 def _mxfp8_gemm_kernel(
     x_ptr,  # [M, K] float, or MXFP8 bytes/typed values when X_MX
     x_scales_ptr,  # [M, K / 32] uint8 (X_MX only)
-    w_ptr,  # [E, N, K] MXFP8 values: typed FP8 (NATIVE_FP8) or uint8 bytes
+    w_ptr,  # [E, N, K] MXFP8 values: typed FP8 (FP8_NATIVE_LOAD) or uint8 bytes
     w_scales_ptr,  # [E, N, K / 32] uint8
     out_ptr,  # [P, N]
     pairs_ptr,  # [NB * BLOCK_M] int32 pair per aligned row, -1 pads (GROUPED)
@@ -87,17 +86,14 @@ def _mxfp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
-    NATIVE_FP8: tl.constexpr,
-    E8M0_BIAS_: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
 ):
     # sizes rebuilt from aligned units: the compiler sees their divisibility under Inductor's launch too
     N = n_units * 16
-    K = k_blocks * 32
+    K = k_blocks * MX
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -117,10 +113,10 @@ def _mxfp8_gemm_kernel(
         col_ok = cols < N
         w_rows = expert.to(tl.int64) * N + tl.where(col_ok, cols, 0)  # [BLOCK_N] rows of the flat [E*N, K]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        NBK: tl.constexpr = BLOCK_K // 32
+        NBK: tl.constexpr = BLOCK_K // MX
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            kb = k0 // 32 + tl.arange(0, NBK)
+            kb = k0 // MX + tl.arange(0, NBK)
             k_ok = ks < K
             kb_ok = kb < k_blocks
             # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
@@ -129,10 +125,7 @@ def _mxfp8_gemm_kernel(
             w_sb = tl.load(
                 w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
             )
-            w = _mx_tile(
-                w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, NATIVE_FP8, E8M0_BIAS_, FP8_MANT, FP8_BIAS, FP8_FNUZ,
-                FP8_HAS_INF,
-            )  # fmt: skip
+            w = _mx_tile(w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             x_mask = valid[:, None] & k_ok[None, :]
             if X_MX:
                 x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
@@ -140,10 +133,7 @@ def _mxfp8_gemm_kernel(
                     x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :],
                     other=0,
                 )  # fmt: skip
-                xt = _mx_tile(
-                    x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, NATIVE_FP8, E8M0_BIAS_, FP8_MANT, FP8_BIAS, FP8_FNUZ,
-                    FP8_HAS_INF,
-                )  # fmt: skip
+                xt = _mx_tile(x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             else:
                 xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
@@ -156,12 +146,6 @@ def _mxfp8_gemm_kernel(
             acc = acc * tl.load(pair_weights_ptr + out_rows, mask=valid, other=0.0)[:, None]
         out_ptrs = out_ptr + out_rows[:, None] * N + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
-
-
-def _fp8_args(values: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, dict]:
-    """The weight (or activation) bytes as the kernel reads them, and the constexprs saying how to decode them."""
-    native = platform.triton_native_fp8(fmt.dtype, values.device)
-    return (values if native else values.view(torch.uint8)), dict(NATIVE_FP8=native, **format_constants(fmt))
 
 
 def _dot_dtype(x_dtype: torch.dtype):
@@ -201,8 +185,9 @@ def mxfp8_gemm(
     out = empty_row_major((rows, N), out_dtype, x.device)
     grouped = block_expert is not None
     nb = block_expert.shape[0] if grouped else triton.cdiv(M, config.BLOCK_M)
-    w, fp8 = _fp8_args(values, fmt)
-    xk = x if x_scales is None else _fp8_args(x, fmt)[0]
+    fp8 = fp8_launch(fmt, values)  # an MXFP8 x is read like the weights
+    w = fp8.view(values)
+    xk = x if x_scales is None else fp8.view(x)
     dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
     grid = (nb, triton.cdiv(N, config.BLOCK_N))
     launch(
@@ -213,6 +198,6 @@ def mxfp8_gemm(
         GROUPED=grouped, TOP_K=top_k, X_MX=x_scales is not None, HAS_WEIGHTS=pair_weights is not None,
         ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16, INT_ROUND=platform.interpreting(),
         BLOCK_M=config.BLOCK_M, DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
-        E8M0_BIAS_=E8M0_BIAS, **config.launch_options(), **fp8,
+        **config.launch_options(), **fp8.constexprs(),
     )  # fmt: skip
     return out

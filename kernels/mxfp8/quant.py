@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.fp8 import fp8_encode, fp8_encode_native, format_constants, native_encode_code
+from mm3_compile.kernels.fp8 import FP8Launch, fp8_encode, fp8_encode_native, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
-from mm3_compile import platform
-from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.contract import LOG2E, MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
+
+MX = tl.constexpr(MX_BLOCK_SIZE)  # values per E8M0 scale (a Triton global must be a constexpr instance)
+NEG_LOG2E = tl.constexpr(-LOG2E)
 
 
 @triton.jit
@@ -29,7 +31,7 @@ def _sigmoid(x, FLUSH_SUBNORMALS: tl.constexpr):
     1 + 2^(...) >= 1 is never subnormal, and a flushed 2^(...) only rounds 1 + tiny to 1 as well."""
     if FLUSH_SUBNORMALS:
         e = tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * NEG_LOG2E], dtype=tl.float32, is_pure=True, pack=1
         )
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1)
     return tl.sigmoid(x)
@@ -42,15 +44,13 @@ def _mx_quantize_tile(
     BLOCK_K: tl.constexpr,
     MAX_EXP: tl.constexpr,  # FP8_MAX = (1 + MAX_MANT / 2^23) * 2^MAX_EXP
     MAX_MANT: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_NATIVE: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
 ):
-    NB: tl.constexpr = BLOCK_K // 32
-    blocks = tl.reshape(v, (BLOCK_M, NB, 32))
-    if FP8_NATIVE != 0:
+    NB: tl.constexpr = BLOCK_K // MX
+    blocks = tl.reshape(v, (BLOCK_M, NB, MX))
+    if FP8_NATIVE_STORE != 0:
         # NVIDIA's max.f32 returns the other operand when one is NaN: NaN takes no part in the scale
         # without a NaN test and select per element (an all-NaN block reduces to NaN, floored below).
         magnitude = tl.abs(blocks)
@@ -66,11 +66,11 @@ def _mx_quantize_tile(
     factor = ((254 - sb + (sb == 254).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
     factor = tl.where(sb == 254, factor * 0.5, factor)
     scaled = tl.reshape(blocks * tl.reshape(factor, (BLOCK_M, NB, 1)), (BLOCK_M, BLOCK_K))
-    if FP8_NATIVE != 0:
-        codes = fp8_encode_native(scaled, v, FP8_NATIVE)  # signs from v: a NaN product may lose its sign
+    if FP8_NATIVE_STORE != 0:
+        codes = fp8_encode_native(scaled, v, FP8_NATIVE_STORE)  # signs from v: a NaN product may lose its sign
     else:
         scaled = tl.where(v != v, v, scaled)  # keep the input NaN (and its sign)
-        codes = fp8_encode(scaled, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ)
+        codes = fp8_encode(scaled, FP8, FP8_MAX)
     return codes, sb
 
 
@@ -87,15 +87,13 @@ def _mxfp8_quantize_kernel(
     BLOCK_K: tl.constexpr,
     MAX_EXP: tl.constexpr,
     MAX_MANT: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
-    FP8_NATIVE: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
     EXACT_BF16: tl.constexpr,
 ):
-    K = k_blocks * 32  # sizes rebuilt from units: the compiler sees their alignment (see _row_units)
+    K = k_blocks * MX  # sizes rebuilt from units: the compiler sees their alignment (see _row_units)
     stride_xm = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,12 +102,12 @@ def _mxfp8_quantize_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = to_fp32(x, EXACT_BF16)
-    codes, sb = _mx_quantize_tile(x, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ, FP8_NATIVE)
+    codes, sb = _mx_quantize_tile(x, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8, FP8_MAX, FP8_NATIVE_STORE)
     tl.store(values_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], codes.to(tl.uint8), mask=mask)
-    NB: tl.constexpr = BLOCK_K // 32
+    NB: tl.constexpr = BLOCK_K // MX
     scale_cols = pid_k * NB + tl.arange(0, NB)
-    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // 32)
-    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (K // 32) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // MX)
+    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (K // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
 
 
 @triton.jit
@@ -129,15 +127,13 @@ def _swiglu_oai_mxfp8_kernel(
     BLOCK_K: tl.constexpr,
     MAX_EXP: tl.constexpr,
     MAX_MANT: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
-    FP8_NATIVE: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
     EXACT_BF16: tl.constexpr,
 ):
-    I = i_blocks * 32
+    I = i_blocks * MX
     stride_m = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,23 +148,19 @@ def _swiglu_oai_mxfp8_kernel(
     if HAS_LIMIT:  # NaN stays NaN, as in torch.clamp (a plain min/max would return the limit)
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
-    act = gate * _sigmoid(alpha * gate, FP8_NATIVE != 0) * (up + beta)  # fp32, never rounded before the quant
-    codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8_MANT, FP8_BIAS, FP8_MAX, FP8_FNUZ, FP8_NATIVE)
+    act = gate * _sigmoid(alpha * gate, FP8_NATIVE_STORE != 0) * (up + beta)  # fp32, never rounded before the quant
+    codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8, FP8_MAX, FP8_NATIVE_STORE)
     tl.store(values_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], codes.to(tl.uint8), mask=mask)
-    NB: tl.constexpr = BLOCK_K // 32
+    NB: tl.constexpr = BLOCK_K // MX
     scale_cols = pid_k * NB + tl.arange(0, NB)
-    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < I // 32)
-    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (I // 32) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < I // MX)
+    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (I // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
 
 
-def _fp8_constants(fmt: FP8Format, device: torch.device) -> dict:
-    bits = struct.unpack("<I", struct.pack("<f", fmt.max))[0]
-    # NVIDIA's cvt.rn.satfinite gives the same bytes as the integer encoder at a fraction of the instructions.
-    native = platform.triton_native_fp8(fmt.dtype, device) and platform.platform_for(device).vendor == "nvidia"
-    return dict(
-        MAX_EXP=(bits >> 23) - 127, MAX_MANT=bits & 0x7FFFFF, FP8_NATIVE=native_encode_code(fmt, native),
-        EXACT_BF16=exact_bf16(), **format_constants(fmt),
-    )
+def quant_constexprs(fp8: FP8Launch) -> dict:
+    """The quantizers' constexprs: the FP8 launch constants and FP8_MAX's fp32 exponent and significand bits."""
+    bits = struct.unpack("<I", struct.pack("<f", fp8.fmt.max))[0]
+    return dict(MAX_EXP=(bits >> 23) - 127, MAX_MANT=bits & 0x7FFFFF, EXACT_BF16=exact_bf16(), **fp8.constexprs())
 
 
 def _row_units(stride) -> tuple:
@@ -213,7 +205,7 @@ def mxfp8_quantize(x: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch
     units, align = _row_units(x2.stride(0))
     launch(
         _mxfp8_quantize_kernel, grid, x2, values, scales, M, K // MX_BLOCK_SIZE, units, ROW_ALIGN=align,
-        **tile, **_fp8_constants(fmt, x.device),
+        **tile, **quant_constexprs(fp8_launch(fmt, values)),
     )  # fmt: skip
     return (
         values.view(fmt.dtype).view(x.shape),
@@ -235,7 +227,7 @@ def swiglu_oai_mxfp8_quant(
     launch(
         _swiglu_oai_mxfp8_kernel, grid, g2, values, scales, M, I // MX_BLOCK_SIZE, units,
         float(alpha), float(beta), float(limit if limit is not None else 0.0), HAS_LIMIT=limit is not None, ROW_ALIGN=align,
-        **tile, **_fp8_constants(fmt, gate_up.device),
+        **tile, **quant_constexprs(fp8_launch(fmt, values)),
     )  # fmt: skip
     lead = gate_up.shape[:-1]
     return values.view(fmt.dtype).view(*lead, I), scales.view(E8M0_DTYPE).view(*lead, I // MX_BLOCK_SIZE)

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import launch, launches_traced, size_hint
-from mm3_compile.kernels.fp8 import fp8_decode, format_constants
+from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
@@ -95,23 +95,19 @@ def _load_kv_tile(
     mask,
     scale,  # fp32 scalar (SCALE_MODE 1) or per-key fp32 vector broadcastable to the tile (mode 2)
     MODEL_DTYPE: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
+    FP8_NATIVE_LOAD: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
 ):
     """Load a K or V tile and return it in the dot dtype (model dtype, or fp32 under the interpreter)."""
-    if IS_FP8:
-        if NATIVE_FP8 and SCALE_MODE == 0 and MODEL_DTYPE == tl.float16:
+    if FP8 != 0:
+        if FP8_NATIVE_LOAD and SCALE_MODE == 0 and MODEL_DTYPE == tl.float16:
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float16)  # one hardware conversion, exact
-        elif NATIVE_FP8:
+        elif FP8_NATIVE_LOAD:
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # hardware conversion, exact
         else:
-            x = fp8_decode(tl.load(ptrs, mask=mask, other=0), FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+            x = fp8_decode(tl.load(ptrs, mask=mask, other=0), FP8)
             x = tl.where(mask, x, 0.0)
         if SCALE_MODE != 0:
             x = x * scale
@@ -136,14 +132,10 @@ def _load_block(
     stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
     D: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
+    FP8_NATIVE_LOAD: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
 ):  # fmt: skip
     """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
@@ -163,11 +155,11 @@ def _load_block(
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     k = _load_kv_tile(
         base[None, :] + dims[:, None], key_ok[None, :], ks,
-        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
     )  # [D, 128]  # fmt: skip
     v = _load_kv_tile(
         base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-        tile_dtype, IS_FP8, NATIVE_FP8, tile_scale_mode, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
     )  # [128, D]  # fmt: skip
     return k, v
 
@@ -225,21 +217,17 @@ def _attend_block(
     stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
     D: tl.constexpr,
     MODEL_DTYPE: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
+    FP8_NATIVE_LOAD: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
 ):  # fmt: skip
     """One 128-key block: load it, then the online-softmax update (see ``_load_block``, ``_attend_loaded``)."""
     k, v = _load_block(
         head_base, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
         stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-        D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF, FP16_DOTS,
+        D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32, FP16_DOTS,
     )  # fmt: skip
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     return _attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
@@ -319,7 +307,7 @@ def _select_slots(
 @triton.jit
 def sparse_attn_fwd_kernel(
     q_ptr,  # [total_q, Hq, D] bf16/fp16, last dim contiguous
-    kv_ptr,  # [num_blocks, Hkv, 128, 2D] model dtype, typed FP8 (NATIVE_FP8) or uint8 bytes
+    kv_ptr,  # [num_blocks, Hkv, 128, 2D] model dtype, typed FP8 (FP8_NATIVE_LOAD) or uint8 bytes
     topk_ptr,  # [Hkv, total_q, T] int32, logical block ids
     block_table_ptr,  # [num_reqs, max_blocks] int32
     cu_seqlens_ptr,  # [num_reqs + 1] int32 (VARLEN only)
@@ -352,14 +340,12 @@ def sparse_attn_fwd_kernel(
     BLOCK_T: tl.constexpr,  # pow2 >= T
     VARLEN: tl.constexpr,  # token -> request by binary search over cu_seqlens (prefill)
     SPLIT: tl.constexpr,  # write a partial + lse per split (decode)
-    IS_FP8: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py); FP8 == 0: a bf16/fp16 cache
+    FP8_MAX: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar, 2 per (KV head, physical slot)
     DOT_FP32: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
 ):  # fmt: skip
@@ -488,7 +474,7 @@ def sparse_attn_fwd_kernel(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
-                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+                D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
                 FP16_DOTS,
             )  # fmt: skip
     else:
@@ -516,7 +502,7 @@ def sparse_attn_fwd_kernel(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
-                D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+                D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
                 FP16_DOTS,
             )  # fmt: skip
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
@@ -636,21 +622,15 @@ def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_
     """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
     or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
     bf16/fp16 caches), scale tensors (``placeholder`` where none is read: the kernel's scale branches
-    are compiled out), per-slot scale strides, and the FP8 format's constexprs (no FP8_MAX: reading
-    never saturates)."""
-    if fmt is not None and not platform.triton_native_fp8(fmt.dtype, kv_cache.device):
-        kv_cache = kv_cache.view(torch.uint8)
+    are compiled out), per-slot scale strides, and the cache's :class:`~mm3_compile.kernels.fp8.FP8Launch`."""
+    fp8 = fp8_launch(fmt, kv_cache)
     if fmt is None:
         scale_mode = SCALE_NONE
-    fp8_constants = format_constants(fmt) if fmt is not None else dict(
-        FP8_MANT=0, FP8_BIAS=0, FP8_MAX=0.0, FP8_FNUZ=False, FP8_HAS_INF=False
-    )  # fmt: skip
-    fp8_constants.pop("FP8_MAX")
     if scale_mode == SCALE_NONE:
         k_scale = v_scale = placeholder
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
-    return kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants
+    return fp8.view(kv_cache), scale_mode, k_scale, v_scale, k_strides, v_strides, fp8
 
 
 def launch_sparse_attn(
@@ -679,7 +659,7 @@ def launch_sparse_attn(
     block_h = max(triton.next_power_of_2(G), 16 // block_q)  # tl.dot needs M >= 16 rows
     T = topk_idx.shape[2]
     num_reqs = seq_lens.shape[0]
-    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
+    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8 = kv_launch_args(
         kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
     )
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
@@ -701,9 +681,8 @@ def launch_sparse_attn(
         *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
-        IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8,
         SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, PDL=pdl,
-        **fp8_constants, **extra,
+        **fp8.constexprs(), **extra,
         **kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,

@@ -219,14 +219,12 @@ def kv_centric_attn_kernel(
     BLOCK_TOK: tl.constexpr,
     PAIRS: tl.constexpr,  # sorted pairs per program
     SLOT_BITS: tl.constexpr,  # log2(BLOCK_T)
-    IS_FP8: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py); FP8 == 0: a bf16/fp16 cache
+    FP8_MAX: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
     FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, k_scale folded
 ):  # fmt: skip
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
@@ -264,7 +262,7 @@ def kv_centric_attn_kernel(
         k, v = _load_block(
             kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
             kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-            D, MODEL_DTYPE, IS_FP8, NATIVE_FP8, SCALE_MODE, DOT_FP32, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
             FOLD_SCALES,
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         if negate_k:
@@ -411,7 +409,7 @@ def sparse_attn_prefill_kv_centric(
     partial = empty_row_major((T, total_q, Hq, D), torch.float16, q.device)
     lse = empty_row_major((T, total_q, Hq), torch.float32, q.device)
     unscale = empty_row_major((T, total_q, Hq), torch.float32, q.device)
-    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8_constants = kv_launch_args(
+    kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8 = kv_launch_args(
         kv_cache, fmt, scale_mode, k_scale, v_scale, seq_lens
     )
     # fp16 model over an FP8 cache with scalar or no scales: K/V stay unscaled fp16 (every FP8 value
@@ -425,9 +423,7 @@ def sparse_attn_prefill_kv_centric(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
-        IS_FP8=fmt is not None, NATIVE_FP8=fmt is not None and kv_cache.dtype != torch.uint8, SCALE_MODE=scale_mode,
-        FOLD_SCALES=fold_scales,
-        **fp8_constants, **kernel_options(q.device, block_tok * block_h, prefill=True),
+        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(), **kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
