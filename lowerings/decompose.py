@@ -67,11 +67,11 @@ def kernel_names_in(code: str) -> dict[str, int]:
     from mm3_compile.kernels.kv_cache import write
     from mm3_compile.kernels.moe import gemm
     from mm3_compile.kernels.mxfp8 import quant
-    from mm3_compile.kernels.sparse_attn import common, decode, kv_centric, prefill
+    from mm3_compile.kernels.sparse_attn import decode, kv_centric, prefill, union
 
     names = sorted(
         obj.fn.__name__
-        for module in (topk, write, quant, gemm, common, decode, kv_centric, prefill)
+        for module in (topk, write, quant, gemm, union, decode, kv_centric, prefill)
         for obj in vars(module).values()
         if isinstance(obj, triton.runtime.jit.JITFunction)
     )

@@ -26,7 +26,7 @@ import triton
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches, size_hint
-from mm3_compile.kernels.sparse_attn import common as sparse_common
+from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import kv_centric, prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
@@ -407,13 +407,13 @@ def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
     monkeypatch.setattr(platform, "platform_for", lambda device=None: platform._platform_for_target("sm_90", False))
     monkeypatch.setattr(decode_kernels, "sm_count", lambda index: 132)
-    monkeypatch.setattr(sparse_common, "sm_count", lambda index: 132)
+    monkeypatch.setattr(attn_schedule, "sm_count", lambda index: 132)
     bf16, fp8 = decode_kernels.BF16_PROGRAMS_PER_SM, decode_kernels.PROGRAMS_PER_SM
     assert decode_kernels.split_plan(32, 4, 16, cuda, bf16) == (1, 16)  # TP1 B32: 128 programs
     assert decode_kernels.split_plan(32, 1, 16, cuda, bf16) == (4, 4)  # TP8 B32
     assert decode_kernels.split_plan(32, 1, 16, cuda, fp8) == (8, 2)
     assert decode_kernels.split_plan(128, 4, 16, cuda, bf16) == (1, 16)  # TP1 B128: 4 programs per SM
-    options = functools.partial(sparse_common.kernel_options, cuda, 16, False)
+    options = functools.partial(attn_schedule.kernel_options, cuda, 16, False)
     assert options(bf16_decode_programs=132)["num_stages"] == 3
     assert options(bf16_decode_programs=133)["num_stages"] == 2
     assert options(bf16_decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
@@ -837,18 +837,26 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mm3_compile.kernels.sparse_attn import common
+from mm3_compile import platform
+from mm3_compile.kernels.fp8 import FP8Launch
+from mm3_compile.kernels.sparse_attn import schedule, union
 
 target_name, kv_type, G, D, block_q, varlen, scale_mode, native = sys.argv[1:]
 target = GPUTarget("cuda", 90, 32) if target_name == "sm_90" else GPUTarget("hip", target_name, 64)
-kernel = common.sparse_attn_fwd_kernel
+kernel = union.sparse_attn_fwd_kernel
 names = kernel.arg_names
-G, D, block_q = int(G), int(D), int(block_q)
-block_h = max(triton.next_power_of_2(G), 16 // block_q)
+G, D, block_q, scale_mode = int(G), int(D), int(block_q), int(scale_mode)
+block_h = schedule.head_block(G, block_q)
+fmt = None if kv_type == "*bf16" else platform.fp8_format(
+    platform.FP8_E4M3_FNUZ if "b8" in kv_type else platform.FP8_E4M3_OCP)
+decode_tile = varlen != "1" and block_q == 1
+# a one-token bf16 decode grid of at most one program per SM (132 on the H200): the 3-stage variant
+options = schedule.launch_options("nvidia" if target_name == "sm_90" else "amd", 132, block_q * block_h,
+                                  prefill=varlen == "1", fp8_decode=fmt is not None and decode_tile,
+                                  bf16_decode_programs=1 if fmt is None and decode_tile else None)
 constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
-                  IS_FP8=kv_type != "*bf16", NATIVE_FP8=native == "1", SCALE_MODE=int(scale_mode), DOT_FP32=False,
-                  FP8_MANT=3, FP8_BIAS=8 if "b8" in kv_type else 7, FP8_FNUZ="b8" in kv_type, FP8_HAS_INF=False,
-                  FP16_DOTS=kv_type != "*bf16" and scale_mode != "2", PDL=target_name == "sm_90" and varlen != "1")
+                  SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"), FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
+                  PDL=target_name == "sm_90" and varlen != "1", **FP8Launch(fmt, native_load=native == "1").constexprs())
 pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                 v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 
@@ -867,10 +875,7 @@ aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qt", "stride_
                                                            "stride_kt")]
 source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                    {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-bf16_decode = kv_type == "*bf16" and block_q == 1
-num_warps, num_stages = ((4 if kv_type != "*bf16" and block_q == 1 else 8), 3 if bf16_decode else 2) \
-    if target_name == "sm_90" else (4, 1)
-compiled = triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+compiled = triton.compile(source, target=target, options=options)
 print("compiled", sorted(compiled.asm))
 """
 
@@ -904,36 +909,42 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from mm3_compile import platform
+from mm3_compile.kernels.fp8 import FP8Launch
 from mm3_compile.kernels.sparse_attn import kv_centric as kc
+from mm3_compile.kernels.sparse_attn import schedule
 
 kv_type, G, scale_mode, native, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
 target = GPUTarget("cuda", 90, 32)
 block_tok = kc.tile_tokens(G)
-block_h = max(triton.next_power_of_2(G), 16 // block_tok)
+block_h = schedule.head_block(G, block_tok)
+fmt = None if kv_type == "*bf16" else platform.fp8_format(platform.FP8_E4M3_OCP)
+options = schedule.launch_options("nvidia", 132, block_tok * block_h, prefill=True)
+dot_fp32 = options.pop("DOT_FP32")
 
 
-def build(kernel, constexprs, pointers, aligned_ints, num_warps):
+def build(kernel, constexprs, pointers, aligned_ints, options):
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else
                  "*i32" if n.endswith("_ptr") else "i32") for n in names}  # fmt: skip
     aligned = [n for n in names if n.endswith("_ptr") or n in aligned_ints]
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                        {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
-    triton.compile(source, target=target, options=dict(num_warps=num_warps))
+    triton.compile(source, target=target, options=options)
 
 
-build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), 4)
+build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), dict(num_warps=4))
 build(kc.kv_centric_attn_kernel,
       dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
-           IS_FP8=kv_type != "*bf16", NATIVE_FP8=native, SCALE_MODE=scale_mode, DOT_FP32=False, FP8_MANT=3,
-           FP8_BIAS=7, FP8_FNUZ=False, FP8_HAS_INF=False,
+           SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, **FP8Launch(fmt, native_load=native).constexprs(),
            FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
       dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
            partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32"),
-      ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), 4)
+      ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), options)
 build(kc.merge_slots_kernel,
       dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16, SCALE_OUT=model == "*fp16" and scale_mode == 1),
-      dict(partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (), 4)
+      dict(partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (),
+      dict(num_warps=4))
 print("compiled")
 """
 
@@ -1117,7 +1128,7 @@ ALL_PATHS = ["kv_centric", "union", "decode", "split_decode"]
 
 def test_huge_logits_give_the_same_rows_in_every_schedule(device, monkeypatch):
     """Issue #24 item 3: a row with a block whose max |sm_scale * log2(e) * q.k| is >= 2^30 (bf16 q ~ 1e9
-    against N(0, 1) keys) is NaN in every schedule (``common.HUGE_LOGIT``); rows with logits up to ~1e6
+    against N(0, 1) keys) is NaN in every schedule (``jit.HUGE_LOGIT``); rows with logits up to ~1e6
     are the reference's, in every schedule."""
     case = build(device, [(300, 1), (200, 1), (390, 1)], D=64, Hkv=1, G=4, T=4, seed=17)
     q = case.q.clone()
@@ -1183,21 +1194,21 @@ def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
     into a graph (Inductor's user-kernel launcher has no ``launch_pdl``), off with ``MM3_PDL=0``."""
     from mm3_compile.kernels._launch import traced_launches
 
-    assert not sparse_common.use_pdl(torch.device("cpu"))
+    assert not attn_schedule.use_pdl(torch.device("cpu"))
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    assert sparse_common.use_pdl(cuda)
+    assert attn_schedule.use_pdl(cuda)
     with traced_launches():
-        assert not sparse_common.use_pdl(cuda)
+        assert not attn_schedule.use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "0")
-    assert not sparse_common.use_pdl(cuda)
+    assert not attn_schedule.use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "1")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    assert not sparse_common.use_pdl(cuda)
+    assert not attn_schedule.use_pdl(cuda)
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
-    assert not sparse_common.use_pdl(cuda)
+    assert not attn_schedule.use_pdl(cuda)
 
 
 @pytest.mark.gpu

@@ -32,11 +32,12 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile import platform
 from mm3_compile.kernels._launch import launches_traced
-from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn, sm_count
+from mm3_compile.kernels.sparse_attn.schedule import sm_count
+from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
 
 # Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher
-# runs with 3 pipeline stages (common.kernel_options; H200: TP1 B32 1 split 37.6 us vs 2 splits
+# runs with 3 pipeline stages (schedule.launch_options; H200: TP1 B32 1 split 37.6 us vs 2 splits
 # 41.2 us, TP8 B32 4 splits 16.3 vs 8 splits 17.4 us).  FP8 and multi-token tiles: two per SM,
 # enough programs in flight to hide the dependent top-k -> block-table -> page loads (FP8 TP1 B32,
 # both 3 stages: 30.7 us with 2 splits vs 33.7 us as one wave).

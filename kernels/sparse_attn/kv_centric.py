@@ -1,13 +1,13 @@
 """KV-centric block-sparse prefill: a block is loaded once and attended by every (token, slot) pair naming it.
 
-The union walk (``common.py``, BLOCK_Q > 1) hands a tile of consecutive tokens every block any of
+The union walk (``union.py``, BLOCK_Q > 1) hands a tile of consecutive tokens every block any of
 them selected; with independent lists most of its dot rows are masked (~28% useful at TP1 1x8192)
 and each block is re-read by every tile whose union holds it.  Here:
 
 1. ``pair_keys_kernel`` gives every (KV head, token, slot) its key ``2 * group + diagonal`` if the
    slot counts, else ``uncounted`` (sorts last); ``group = (head * num_reqs + request) * max_blocks +
    block`` and ``diagonal`` says the block is the token's own (``p // 128``).  Which slots count is
-   the contract's rule (see ``common.py``): slots ``< min(T, p // 128 + 1)``, ids in ``[0, p // 128]``
+   the contract's rule (see ``union.py``): slots ``< min(T, p // 128 + 1)``, ids in ``[0, p // 128]``
    and inside the block table, pages inside the cache, an id listed twice counted once.  Slots are
    padded to ``BLOCK_T`` (a power of two), so a pair's flat index unpacks with shifts.
 2. ``torch.sort`` (stable: tokens stay ascending inside a key).
@@ -50,21 +50,20 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.sparse_attn.common import (
+from mm3_compile.kernels.sparse_attn import schedule
+from mm3_compile.kernels.sparse_attn.jit import (
     HUGE_LOGIT,
-    LOG2E,
     PAGE,
-    _load_block,
-    _packed_requests,
-    _scalar_scales,
-    _select_slots,
-    _slot_window,
-    kernel_options,
-    kv_launch_args,
+    load_block,
+    packed_requests,
+    scalar_scales,
+    select_slots,
+    slot_window,
     to_model_dtype,
     widen,
 )
-from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
+from mm3_compile.kernels.sparse_attn.union import kv_launch_args
+from mm3_compile.contract import LOG2E, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,
@@ -106,11 +105,11 @@ def pair_keys_kernel(
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     token_ok = tokens < total_q
     tokens = tl.where(token_ok, tokens, 0)
-    req, q_len, offset, inside = _packed_requests(cu_seqlens_ptr, num_reqs, tokens)
+    req, q_len, offset, inside = packed_requests(cu_seqlens_ptr, num_reqs, tokens)
     packed = token_ok & inside  # tokens outside every request count no slot (their rows are 0)
-    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_TOK] each
+    pos, last_block, n_slots = slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_TOK] each
     slots = tl.arange(0, BLOCK_T)
-    ids, _, valid = _select_slots(
+    ids, _, valid = select_slots(
         topk_ptr, block_table_ptr, kv_head, tokens, req, last_block, n_slots, num_blocks, max_blocks,
         stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
     )  # [BLOCK_TOK, BLOCK_T] each  # fmt: skip
@@ -162,7 +161,7 @@ def _attend_tile(
     # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
     # r stays below 2^6 while |m| < 2^30, but beyond (logits far past any real attention, up to fp32's
     # overflow) the weights become 0 or inf and the row would be silently wrong: such rows are NaN,
-    # and the union walk and decode flag the same rows (``common.HUGE_LOGIT``).
+    # and the union walk and decode flag the same rows (``jit.HUGE_LOGIT``).
     l_safe = tl.where(l > 0.0, l, 1.0)
     inv_l = 1.0 / l_safe
     # The power of two joins the 1 / l factor (no extra multiply per element); it is limited so that the
@@ -230,7 +229,7 @@ def kv_centric_attn_kernel(
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
-    k_scale, v_scale = _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
+    k_scale, v_scale = scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     if FOLD_SCALES:
         qk_scale = qk_scale * k_scale
     # A negative scale flips which logit is the max: flip K's sign instead (exact), once per run.
@@ -259,7 +258,7 @@ def kv_centric_attn_kernel(
         page = tl.load(block_table_ptr + req.to(tl.int64) * stride_btr + block * stride_btb).to(tl.int64)
         key_pos = block * PAGE + offs  # [128] logical positions
         key_ok = key_pos < tl.load(seq_lens_ptr + req)
-        k, v = _load_block(
+        k, v = load_block(
             kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
             kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
             D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
@@ -402,7 +401,7 @@ def sparse_attn_prefill_kv_centric(
     sorted_keys, order = torch.sort(keys.view(-1), stable=True)
 
     block_tok = tile_tokens(G)
-    block_h = max(triton.next_power_of_2(G), 16 // block_tok)  # tl.dot needs M >= 16 rows
+    block_h = schedule.head_block(G, block_tok)
     pairs = block_tok * TILES_PER_PROGRAM
     num_pairs = Hkv * total_q * block_t
     # written and read per counted slot
@@ -423,7 +422,7 @@ def sparse_attn_prefill_kv_centric(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
-        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(), **kernel_options(q.device, block_tok * block_h, prefill=True),
+        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(), **schedule.kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(

@@ -7,7 +7,7 @@ Two schedules (``prefill_schedule``):
   each block is loaded once for all of them; every dot row is useful.  H200, independent random
   lists (bench/NOTES.md, run 2026-11-30T04:50:28Z): TP1 1x8192 bf16 222 TFLOP/s vs 102 for the
   union walk, TP8 1x8192 134 vs 79, TP8 4x2048 after a 16k prefix 143 vs 53.
-* *Union walk* (``common.py``, one program per tile of consecutive tokens and KV head): a tile
+* *Union walk* (``union.py``, one program per tile of consecutive tokens and KV head): a tile
   attends the union of its tokens' lists.  It wastes nothing when every list names every visible
   block (the dense layers pass such lists, T = the block-table width).  Used for longer lists and
   on ROCm, whose 64 KB of LDS cannot hold a converted block and a query tile.
@@ -20,9 +20,9 @@ size) becomes a Python constant.
 import torch
 import triton
 
-from mm3_compile.kernels.sparse_attn.common import launch_sparse_attn
 from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
+from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format
 
 # Union walk (ROCm, and lists longer than KV_CENTRIC_MAX_SLOTS; the H200 figures below are from when

@@ -1,19 +1,17 @@
-"""The block-sparse GQA attention kernel shared by prefill and decode.
+"""The union-walk block-sparse GQA attention kernel: decode, and prefill where KV-centric does not apply.
 
 One program owns ``BLOCK_Q`` consecutive query tokens and one KV head; its rows are the (token,
 query head) pairs of that KV head, ``BLOCK_M = BLOCK_Q x BLOCK_H`` rows of a ``[BLOCK_M, D]`` q
 tile (``BLOCK_H = pow2(G)``, padded so BLOCK_M >= 16 for ``tl.dot``; padded rows load q = 0 and
-are never written).  Each selected 128-token block costs one ``[BLOCK_M, D] x [D, 128]`` and one
-``[BLOCK_M, 128] x [128, D]`` dot (``_attend_block``).
+are never written).  Each selected 128-token block costs one dot pair (``jit.attend_block``).
 
-* BLOCK_Q > 1 (prefill on ROCm; NVIDIA prefill is KV-centric, ``kv_centric.py``, which reuses
-  ``_load_block`` with its own one-block softmax): neighbouring tokens' top-k lists
-  overlap (own and local blocks, similar scores), so the tile walks the *union* of its tokens'
-  valid (request, block) keys, each once, in ascending order (a min-reduction gives the next
-  key), masking the rows whose own list does not name the block.  Every K/V tile load is shared
-  by the tile's tokens and the dots get M = 128.  Tiles may straddle requests (keys carry the
-  request).  The keys are skipped/counted with reductions first so the attention loop is a
-  counted loop that Triton software-pipelines.
+* BLOCK_Q > 1 (prefill on ROCm and for long lists; NVIDIA prefill is KV-centric, ``kv_centric.py``):
+  neighbouring tokens' top-k lists overlap (own and local blocks, similar scores), so the tile walks
+  the *union* of its tokens' valid (request, block) keys, each once, in ascending order (a
+  min-reduction gives the next key), masking the rows whose own list does not name the block.
+  Every K/V tile load is shared by the tile's tokens and the dots get M = 128.  Tiles may straddle
+  requests (keys carry the request).  The keys are skipped/counted with reductions first so the
+  attention loop is a counted loop that Triton software-pipelines.
 * BLOCK_Q = 1 (decode): a counted loop over the token's list slots.
 
 Decode splits each token's work: split c takes distinct blocks (slots for BLOCK_Q = 1)
@@ -23,285 +21,33 @@ and writes a normalised partial + log2-sum-exp; the last split to finish merges 
 Selection: slots ``[0, min(T, p // 128 + 1))`` are read (position-derived); an id that is negative,
 beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is skipped
 through load masks (nothing out of bounds is ever dereferenced, whatever the caller passes); the
-selected blocks are a set (an id listed twice counts once).
-
-Numerics (base 2, log2(e) folded into the scale): running max ``m``, running sum ``l`` and the
-accumulator in fp32; K/V are dequantised to the model dtype (FP8 bytes -> fp32 -> x scale ->
-model dtype) and P is rounded to the model dtype before P.V, as on the GPU's bf16 tensor-core path.
-Attention over an FP8 cache with scalar (or no) scales (``FP16_DOTS``) instead feeds both
-dots fp16 operands: the FP8 values exactly (one hardware conversion each, no multiply), q rescaled
-per row by a power of two into fp16's range, k_scale folded into the logit scale, v_scale applied to
-the output, P rounded to fp16.  Its operands are more exact than the bf16 path's, and the loop loses
-the per-element fp32 multiply and bf16 conversion (H200, graph: TP1 B128 104 vs 141 us, TP1 B32 33.4
-vs 43.7 us).  Under the interpreter (``DOT_FP32``) the operands are widened to fp32 before each dot,
-because its bf16 dots are wrong; the roundings are kept so both paths see the same operands.
+selected blocks are a set (an id listed twice counts once).  Numerics: see ``jit.py``.
 """
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mm3_compile import platform
-from mm3_compile.kernels._launch import launch, launches_traced, size_hint
-from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
+from mm3_compile.kernels._launch import launch, size_hint
+from mm3_compile.kernels.fp8 import fp8_launch
+from mm3_compile.kernels.sparse_attn import schedule
+from mm3_compile.kernels.sparse_attn.jit import (
+    HUGE_LOGIT,
+    PAGE,
+    attend_block,
+    packed_requests,
+    scalar_scales,
+    select_slots,
+    slot_window,
+    to_model_dtype,
+    widen,
+)
 from mm3_compile.platform import FP8Format
 
-PAGE = tl.constexpr(128)  # tokens per page == sparse block size
 # One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer
 # ones slot by slot (Triton tensors hold at most 2^20 elements).
 MATRIX_DEDUP_SLOTS = tl.constexpr(1024)
-# The Triton interpreter converts fp32 -> bf16 by truncation toward zero (P and the outputs came out
-# biased low) and widens bf16 subnormals wrongly (3 * 2^-133 -> 2^-127); under it every bf16
-# conversion is done with integer arithmetic instead (``to_model_dtype``, ``widen``).  The GPU's
-# conversions are already round-to-nearest-even and exact, so compiled kernels keep them.
-EXACT_BF16 = tl.constexpr(platform.interpreting())
-# Rows one of whose blocks has a maximum log2-domain logit (sm_scale * log2(e) * q.k over the block's
-# visible keys) of magnitude >= 2^30 come out NaN in every schedule.  The KV-centric tile folds the
-# scale into one FFMA per logit (exp2(s * scale - m) with m rounded, see kv_centric._attend_tile), which
-# is exact up to a factor 2^r, |r| <= ulp(m) / 2, that cancels while |m| < 2^30 but overflows beyond;
-# the other schedules flag the same rows instead of answering where it cannot (such logits are ~7e8
-# in natural units, far past any attention a model computes).
-HUGE_LOGIT = tl.constexpr(2.0**30)
-
-
-@triton.jit
-def widen(x):
-    """x (bf16, fp16 or fp32) -> fp32, exactly (bf16 subnormals included)."""
-    if EXACT_BF16 and x.dtype == tl.bfloat16:
-        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return (bits << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def to_model_dtype(x, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE (bf16/fp16/fp32), rounded to nearest even (NaN stays NaN, overflow -> inf)."""
-    if EXACT_BF16 and DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to the even upper half
-        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        rounded = tl.where(is_nan, (bits >> 16) | 0x40, rounded)  # a NaN stays a (quiet) NaN
-        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _load_kv_tile(
-    ptrs,
-    mask,
-    scale,  # fp32 scalar (SCALE_MODE 1) or per-key fp32 vector broadcastable to the tile (mode 2)
-    MODEL_DTYPE: tl.constexpr,
-    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
-    FP8_NATIVE_LOAD: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Load a K or V tile and return it in the dot dtype (model dtype, or fp32 under the interpreter)."""
-    if FP8 != 0:
-        if FP8_NATIVE_LOAD and SCALE_MODE == 0 and MODEL_DTYPE == tl.float16:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float16)  # one hardware conversion, exact
-        elif FP8_NATIVE_LOAD:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # hardware conversion, exact
-        else:
-            x = fp8_decode(tl.load(ptrs, mask=mask, other=0), FP8)
-            x = tl.where(mask, x, 0.0)
-        if SCALE_MODE != 0:
-            x = x * scale
-        x = to_model_dtype(x, MODEL_DTYPE)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
-    if DOT_FP32:
-        x = widen(x)
-    return x
-
-
-@triton.jit
-def _load_block(
-    head_base,  # kv_ptr at this KV head
-    page,  # int64 physical page of the block
-    key_ok,  # [128] key exists (valid block, < seq_len)
-    k_scale,
-    v_scale,
-    k_scale_ptr,
-    v_scale_ptr,
-    kv_head,
-    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr,
-    MODEL_DTYPE: tl.constexpr,
-    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
-    FP8_NATIVE_LOAD: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
-):  # fmt: skip
-    """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
-    loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
-    and unscaled, in fp16 (the caller folds the scales into the logit factor and the output)."""
-    dims = tl.arange(0, D)
-    offs = tl.arange(0, PAGE)
-    base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
-    ks = k_scale
-    vs = v_scale
-    if SCALE_MODE == 2:
-        phys = page * PAGE + offs  # physical slot: the scale follows the page, not the position
-        ks = tl.load(k_scale_ptr + kv_head * stride_ksh + phys * stride_kss, mask=key_ok, other=0.0)[None, :]
-        vs = tl.load(v_scale_ptr + kv_head * stride_vsh + phys * stride_vss, mask=key_ok, other=0.0)[:, None]
-    # FP16_DOTS: scale mode 0 converts without a multiply (the scales are applied outside)
-    tile_scale_mode: tl.constexpr = 0 if FP16_DOTS else SCALE_MODE
-    tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    k = _load_kv_tile(
-        base[None, :] + dims[:, None], key_ok[None, :], ks,
-        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
-    )  # [D, 128]  # fmt: skip
-    v = _load_kv_tile(
-        base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
-    )  # [128, D]  # fmt: skip
-    return k, v
-
-
-@triton.jit
-def _attend_loaded(
-    q,  # [BLOCK_M, D] dot dtype
-    m,  # [BLOCK_M] running max (log2 domain)
-    l,  # [BLOCK_M] running sum
-    acc,  # [BLOCK_M, D] fp32
-    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
-    k,  # [D, 128] dot dtype
-    v,  # [128, D] dot dtype
-    visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
-    qk_scale,
-    P_DTYPE: tl.constexpr,  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
-    DOT_FP32: tl.constexpr,
-):
-    """Online-softmax update of (m, l, acc, low) with one QK and one PV dot over a loaded block; ``low`` is
-    the smallest block maximum seen (``HUGE_LOGIT``)."""
-    s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
-    s = tl.where(visible, s, float("-inf"))
-    block_max = tl.max(s, axis=1)
-    low = tl.where(block_max == float("-inf"), low, tl.minimum(low, block_max))
-    m_new = tl.maximum(m, block_max)
-    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN.
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    p = to_model_dtype(p, P_DTYPE)
-    if DOT_FP32:
-        p = widen(p)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
-    return m_new, l, acc, low
-
-
-@triton.jit
-def _attend_block(
-    q,  # [BLOCK_M, D] dot dtype
-    m,  # [BLOCK_M] running max (log2 domain)
-    l,  # [BLOCK_M] running sum
-    acc,  # [BLOCK_M, D] fp32
-    low,  # [BLOCK_M] smallest block maximum so far (log2 domain)
-    head_base,  # kv_ptr at this KV head
-    page,  # int64 physical page of the block
-    key_ok,  # [128] key exists (valid block, < seq_len)
-    visible,  # [BLOCK_M, 128] row may see the key (membership, causality)
-    k_scale,
-    v_scale,
-    k_scale_ptr,
-    v_scale_ptr,
-    kv_head,
-    qk_scale,
-    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr,
-    MODEL_DTYPE: tl.constexpr,
-    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
-    FP8_NATIVE_LOAD: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
-):  # fmt: skip
-    """One 128-key block: load it, then the online-softmax update (see ``_load_block``, ``_attend_loaded``)."""
-    k, v = _load_block(
-        head_base, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
-        stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-        D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32, FP16_DOTS,
-    )  # fmt: skip
-    tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    return _attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
-
-
-@triton.jit
-def _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE: tl.constexpr):
-    """(k_scale, v_scale): the fp32 scalars in scale mode 1, else 1.0 (mode 2 reads them per key)."""
-    k_scale = 1.0
-    v_scale = 1.0
-    if SCALE_MODE == 1:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    return k_scale, v_scale
-
-
-@triton.jit
-def _find_requests(cu_seqlens_ptr, num_reqs, tokens):
-    """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
-    lo = tl.zeros(tokens.shape, tl.int32)
-    hi = lo + num_reqs  # invariant: cu[lo] <= token < cu[hi]
-    while tl.max(hi - lo) > 1:
-        mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) <= tokens
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
-
-
-@triton.jit
-def _packed_requests(cu_seqlens_ptr, num_reqs, tokens):
-    """Packed tokens (``cu_seqlens``) -> (request, query length, offset inside the request, whether the
-    token is inside it), all [R].  Tokens before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on belong
-    to no request (value checks off, the GPU default, let such tables through): they attend nothing."""
-    req = _find_requests(cu_seqlens_ptr, num_reqs, tokens)
-    q_start = tl.load(cu_seqlens_ptr + req)
-    q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-    offset = tokens - q_start
-    return req, q_len, offset, (offset >= 0) & (offset < q_len)
-
-
-@triton.jit
-def _slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T):
-    """The contract's position rule: p = seq_len - q_len + offset (-1 for rows past the tokens), the last
-    block a row may see (p // 128) and how many list slots it reads (min(T, p // 128 + 1))."""
-    pos = tl.load(seq_lens_ptr + req) - q_len + offset
-    pos = tl.where(token_ok, pos, -1)
-    last_block = tl.where(pos >= 0, pos // PAGE, -1)
-    return pos, last_block, tl.minimum(T, last_block + 1)
-
-
-@triton.jit
-def _select_slots(
-    topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
-    stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb,
-    BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    """The contract's slot rule for rows of tokens (``token``, ``req``, ``last_block = p // 128``,
-    ``n_slots = min(T, p // 128 + 1)``, all [R]): ids [R, BLOCK_T] (-1 past n_slots), their pages, and
-    which are valid (id in [0, p // 128] and inside the table, page inside the cache).  Masked, never
-    dereferenced: slots past n_slots, invalid ids, pages outside the cache.  Repeats are the caller's."""
-    slots = tl.arange(0, BLOCK_T)
-    ids = tl.load(
-        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token[:, None].to(tl.int64) * stride_tkt
-        + slots[None, :] * stride_tks,
-        mask=slots[None, :] < n_slots[:, None], other=-1,
-    )  # fmt: skip
-    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
-    pages = tl.load(
-        block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
-        mask=valid, other=-1,
-    )  # fmt: skip
-    valid = valid & (pages >= 0) & (pages < num_blocks)
-    return ids, pages, valid
 
 
 @triton.jit
@@ -373,20 +119,20 @@ def sparse_attn_fwd_kernel(
     row_mask = token_ok & (head_in_group < G)
     token = tl.where(token_ok, token, 0)
     if VARLEN:
-        req, q_len, offset, inside = _packed_requests(cu_seqlens_ptr, num_reqs, token)
+        req, q_len, offset, inside = packed_requests(cu_seqlens_ptr, num_reqs, token)
         packed = token_ok & inside  # tokens outside every request see nothing (their rows are 0)
     else:
         req = token // q_per_req
         q_len = q_per_req
         offset = token - req * q_per_req
         packed = token_ok
-    pos, last_block, n_slots = _slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_M] each
+    pos, last_block, n_slots = slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_M] each
 
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)
     LONG_LIST: tl.constexpr = BLOCK_Q == 1 and BLOCK_T > MATRIX_DEDUP_SLOTS
     if not LONG_LIST:
-        ids, pages, valid = _select_slots(
+        ids, pages, valid = select_slots(
             topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
             stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
         )  # [BLOCK_M, BLOCK_T] each  # fmt: skip
@@ -398,7 +144,7 @@ def sparse_attn_fwd_kernel(
     q_ptrs = q_ptr + token[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
 
-    k_scale, v_scale = _scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
+    k_scale, v_scale = scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
     if FP16_DOTS:
         # Scale each row by the power of two that brings its largest |q| into [2^14, 2^15): exact,
         # and fp16 then holds every element of at least 2^-28 of that maximum with all of bf16's
@@ -470,7 +216,7 @@ def sparse_attn_fwd_kernel(
             key_pos = tl.where(slot_ok, block * PAGE + offs, -1)  # [128] logical positions
             key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
             visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
-            m, l, acc, low = _attend_block(
+            m, l, acc, low = attend_block(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
@@ -498,7 +244,7 @@ def sparse_attn_fwd_kernel(
             key_pos = block * PAGE + offs  # [128] logical positions
             key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
             visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
-            m, l, acc, low = _attend_block(
+            m, l, acc, low = attend_block(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
@@ -578,46 +324,6 @@ def _merge_partials(
     tl.store(out_ptrs, to_model_dtype(out, out_ptrs.dtype.element_ty), mask=row_mask[:, None])
 
 
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def kernel_options(
-    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, bf16_decode_programs: int | None = None
-) -> dict:
-    """Launch options: the interpreter's bf16 dots are wrong (widen them).  sm_90: 8 warps for bf16
-    decode (16 rows; 4 warps spill up to 3.9 KB of stack) and 128-row prefill tiles; 4 warps for FP8
-    decode (H200: TP1 B128 94 vs 135 us with 8) and for prefill tiles of <= 64 rows (8 warps measured
-    10-80% slower there).  Stages: 3 for a one-token bf16 decode grid (``bf16_decode_programs``) of at
-    most one program per SM, which then keeps two blocks in flight behind the one it computes (H200,
-    same run: TP1 B32 37.6 vs 41.2 us with 2 stages and twice the splits, TP8 B128 37.7 vs 40.9 us),
-    and for FP8 decode, whose 1-byte tiles leave room for two 3-stage programs per SM (TP1 B128 94.2
-    vs 104.6 us with 2 stages, TP1 B32 30.7 vs 33.5, TP8 B128 30.9 vs 33.3); 2 otherwise (TP1 B128
-    bf16, 4 programs per SM: 133 vs 141 us).  gfx9: 4 wavefronts of 64 and one stage (64 KB LDS)."""
-    if platform.interpreting() or device.type != "cuda":
-        return dict(DOT_FP32=True, num_warps=4)
-    if platform.platform_for(device).vendor == "amd":
-        return dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count(index)
-    num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
-    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch for eager decode on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
-    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
-    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
-    argument."""
-    if platform.interpreting() or device.type != "cuda" or launches_traced():
-        return False
-    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
     """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
     or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
@@ -656,7 +362,7 @@ def launch_sparse_attn(
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
     # Head counts and the head dim are compile-time tile sizes: a symbolic trace specialises them.
     G, D = int(Hq // Hkv), int(D)
-    block_h = max(triton.next_power_of_2(G), 16 // block_q)  # tl.dot needs M >= 16 rows
+    block_h = schedule.head_block(G, block_q)
     T = topk_idx.shape[2]
     num_reqs = seq_lens.shape[0]
     kv_cache, scale_mode, k_scale, v_scale, k_strides, v_strides, fp8 = kv_launch_args(
@@ -666,7 +372,7 @@ def launch_sparse_attn(
     decode_tile = cu_seqlens_q is None and block_q == 1
     bf16_decode = fmt is None and decode_tile
     # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
-    pdl = cu_seqlens_q is None and use_pdl(q.device)
+    pdl = cu_seqlens_q is None and schedule.use_pdl(q.device)
     extra = dict(launch_pdl=True) if pdl else {}
     launch(
         sparse_attn_fwd_kernel, grid,
@@ -681,9 +387,9 @@ def launch_sparse_attn(
         *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
         VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
-        SCALE_MODE=scale_mode, FP16_DOTS=fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD, PDL=pdl,
+        SCALE_MODE=scale_mode, FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=pdl,
         **fp8.constexprs(), **extra,
-        **kernel_options(
+        **schedule.kernel_options(
             q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,
             bf16_decode_programs=size_hint(grid[0] * Hkv) if bf16_decode else None,

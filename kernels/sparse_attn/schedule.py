@@ -1,0 +1,101 @@
+"""Launch schedules of the attention kernels: pure functions of shapes and the device, shared with the tests.
+
+The launchers (``union.py``, ``kv_centric.py``, ``decode.py``, ``prefill.py``) and the compile-ahead
+tests take their tile heights, dot operand modes, warps and stages from here, so a test compiles
+what a launch runs.  Split counts (``decode.split_plan``) and the prefill tile (``prefill.prefill_block_q``)
+live beside their launchers; they are shape functions too.  Measurements behind the choices:
+``bench/NOTES.md``.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+
+from mm3_compile import platform
+from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
+from mm3_compile.kernels._launch import launches_traced
+from mm3_compile.platform import FP8Format
+
+MIN_DOT_ROWS = 16  # tl.dot needs M >= 16 rows
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def head_block(G: int, block_q: int) -> int:
+    """``BLOCK_H``: query heads per row group, pow2(G), padded so ``block_q * BLOCK_H >= 16`` rows."""
+    return max(triton.next_power_of_2(int(G)), MIN_DOT_ROWS // block_q)
+
+
+def fp16_dots(fmt: FP8Format | None, scale_mode: int) -> bool:
+    """``FP16_DOTS``: an FP8 cache with scalar or no scales feeds both dots fp16 operands (see ``jit.py``)."""
+    return fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD
+
+
+def launch_options(
+    vendor: str,
+    sm_count: int | None,
+    block_m: int,
+    prefill: bool,
+    fp8_decode: bool = False,
+    bf16_decode_programs: int | None = None,
+    interpreting: bool = False,
+) -> dict:
+    """``DOT_FP32``, warps and stages of an attention launch.
+
+    Args:
+        vendor: ``"nvidia"``, ``"amd"``, or ``"cpu"`` (the interpreter).
+        sm_count: streaming multiprocessors of an NVIDIA device (unused elsewhere).
+        block_m: rows of the program's q tile.
+        prefill: a prefill tile (several tokens of packed requests).
+        fp8_decode: one-token decode over an FP8 cache.
+        bf16_decode_programs: the grid size of a one-token bf16 decode, else None.
+        interpreting: the Triton interpreter, whose bf16 dots are wrong (widen the operands).
+
+    Returns:
+        Keyword options of the launch. sm_90: 8 warps for bf16 decode (16 rows; 4 warps spill) and
+        128-row prefill tiles; 4 warps for FP8 decode and prefill tiles of <= 64 rows. 3 stages for a
+        one-token bf16 decode grid of at most one program per SM (two blocks in flight behind the one
+        it computes) and for FP8 decode (1-byte tiles leave room for two 3-stage programs per SM); 2
+        otherwise. gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
+
+    Examples:
+        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True)
+        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 3}
+    """
+    if interpreting or vendor == "cpu":
+        return dict(DOT_FP32=True, num_warps=4)
+    if vendor == "amd":
+        return dict(DOT_FP32=False, num_warps=4, num_stages=1)
+    one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count
+    num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
+    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
+
+
+def kernel_options(
+    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, bf16_decode_programs: int | None = None
+) -> dict:
+    """:func:`launch_options` for ``device``."""
+    if platform.interpreting() or device.type != "cuda":
+        return launch_options("cpu", None, block_m, prefill, fp8_decode, bf16_decode_programs, interpreting=True)
+    vendor = platform.platform_for(device).vendor
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = sm_count(index) if vendor == "nvidia" else None
+    return launch_options(vendor, sms, block_m, prefill, fp8_decode, bf16_decode_programs)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for eager decode on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
+    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
+    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
+    argument."""
+    if platform.interpreting() or device.type != "cuda" or launches_traced():
+        return False
+    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
