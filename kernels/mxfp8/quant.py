@@ -181,8 +181,8 @@ def _tile(K: int) -> dict:
     # The interpreter runs one numpy program at a time: few, large programs are fastest there.
     if interpreting():
         return dict(BLOCK_M=64, BLOCK_K=min(256, triton.next_power_of_2(K)), num_warps=4)
-    # H200, fused SwiGLU at I = 3072 (bench/NOTES.md): 4 x 1024 / 8 warps reaches the copy ceiling at
-    # M = 65536; 8 x 256 / 4 warps is within 1% at M = 4096 and wastes no columns when K % 1024 != 0.
+    # 4 x 1024 / 8 warps reaches the copy ceiling at large M; 8 x 256 / 4 warps wastes no columns when
+    # K % 1024 != 0 (bench/NOTES.md).
     if K % 1024 == 0:
         return dict(BLOCK_M=4, BLOCK_K=1024, num_warps=8)
     return dict(BLOCK_M=8, BLOCK_K=256, num_warps=4)

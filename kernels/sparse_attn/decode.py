@@ -3,7 +3,7 @@
 Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
 batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
 partial and its log2-sum-exp, and the last split of a (token, KV head) to finish merges them
-(§5.5), counted by an arrival counter: one attention launch per decode step.  ``num_splits``
+counted by an arrival counter: one attention launch per decode step.  ``num_splits``
 depends only on shapes and the device's SM count, never on data, so a captured CUDA graph stays
 valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
 being guarded.  With one split there are no partials and no counters.
@@ -37,10 +37,9 @@ from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
 
 # Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher
-# runs with 3 pipeline stages (schedule.launch_options; H200: TP1 B32 1 split 37.6 us vs 2 splits
-# 41.2 us, TP8 B32 4 splits 16.3 vs 8 splits 17.4 us).  FP8 and multi-token tiles: two per SM,
-# enough programs in flight to hide the dependent top-k -> block-table -> page loads (FP8 TP1 B32,
-# both 3 stages: 30.7 us with 2 splits vs 33.7 us as one wave).
+# runs with 3 pipeline stages (schedule.launch_options).  FP8 and multi-token tiles: two per SM,
+# enough programs in flight to hide the dependent top-k -> block-table -> page loads (timings:
+# bench/NOTES.md).
 BF16_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to

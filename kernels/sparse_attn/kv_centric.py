@@ -22,11 +22,8 @@ and each block is re-read by every tile whose union holds it.  Here:
 
 Why the diagonal bit: a block older than the token's own lies wholly before it (``block * 128 + 127 <
 p``), so every key of it is visible and the tile needs no mask at all; only runs of own blocks (one
-slot in T) build the causal mask.  The loop is bound by the instructions it issues (two 4-warp
-programs per SM; H200 ncu, TP1 1x8192: 0.45 instructions per cycle per scheduler, 2 active and 0.6
-eligible warps per scheduler), and the mask was a third of the per-element work: without it an
-off-diagonal tile's sm_90 loop body went from 1539 to ~917 instructions and the attention kernel
-from 1.82 to 1.51 ms.
+slot in T) build the causal mask.  The loop is bound by the instructions it issues, and the mask
+was a third of the per-element work (bench/NOTES.md, "moved from kernel sources").
 
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
 traces into one graph.  Numerics per block: logits and their max in fp32, ``p = exp2(s * scale - m)``
@@ -38,9 +35,8 @@ applied to the values, which must then fit the model dtype, as in every schedule
 fp16 scaled per (slot, row) by a power of two 2^shift (stored beside the lse as 2^-shift): shift
 brings the block's max |V| into [2^14, 2^15), and |o| <= max |V| (up to P's rounding), so every
 partial fits fp16 with 11 significant bits, where bf16 partials kept 8.  That is one more rounding
-per block than the union walk, 8x finer than the model dtype's: the CPU recipe of issue #26 (mean
-|out - bf16(fp64 oracle)|) measured 2.1e-4 with bf16 partials, 1.7e-4 with fp32 ones (= the union
-walk), at half the traffic of fp32 partials (H200: 3.9 vs 2.9 ms for the whole op with fp32).  The
+per block than the union walk, 8x finer than the model dtype's, at half the traffic of fp32
+partials (the measured errors and times: bench/NOTES.md).  The
 scale joins the 1 / l factor of the tile and the slot's weight in the merge, so it costs no
 per-element instruction; the block's max |V| is one reduction per run.
 """
@@ -67,12 +63,10 @@ from mm3_compile.contract import LOG2E, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,
-# 255 registers x 128 threads each), so one's MMAs overlap the other's softmax and stores.  H200, same
-# run (bench/NOTES.md): 64 rows / 4 warps 1.76-1.83 ms of attention at TP1 1x8192 vs 2.29 ms for 128
-# rows / 8 warps (one program per SM) and 3.3 ms for 64 rows / 8 warps.
+# 255 registers x 128 threads each), so one's MMAs overlap the other's softmax and stores.
 PAIR_ROWS = 64
 MAX_TILE_TOKENS = 16
-TILES_PER_PROGRAM = 32  # a power of two; amortises each block's load and conversion over its run (16/32/64: within 3%)
+TILES_PER_PROGRAM = 32  # a power of two; amortises each block's load and conversion over its run (bench/NOTES.md)
 KEY_TOKENS = 32  # tokens per program of pair_keys_kernel
 MERGE_ROWS = 32
 

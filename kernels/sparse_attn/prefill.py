@@ -4,9 +4,8 @@ Two schedules (``prefill_schedule``):
 
 * *KV-centric* (``kv_centric.py``, NVIDIA and the CPU interpreter, lists of at most
   ``KV_CENTRIC_MAX_SLOTS`` slots): the (token, slot) pairs are grouped by the block they name and
-  each block is loaded once for all of them; every dot row is useful.  H200, independent random
-  lists (bench/NOTES.md, run 2026-11-30T04:50:28Z): TP1 1x8192 bf16 222 TFLOP/s vs 102 for the
-  union walk, TP8 1x8192 134 vs 79, TP8 4x2048 after a 16k prefix 143 vs 53.
+  each block is loaded once for all of them; every dot row is useful (about twice the union walk's
+  throughput on independent random lists, bench/NOTES.md).
 * *Union walk* (``union.py``, one program per tile of consecutive tokens and KV head): a tile
   attends the union of its tokens' lists.  It wastes nothing when every list names every visible
   block (the dense layers pass such lists, T = the block-table width).  Used for longer lists and
@@ -25,16 +24,14 @@ from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_ce
 from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format
 
-# Union walk (ROCm, and lists longer than KV_CENTRIC_MAX_SLOTS; the H200 figures below are from when
-# it ran every prefill).
+# Union walk (ROCm, and lists longer than KV_CENTRIC_MAX_SLOTS).
 # Rows (token x query head) per program.  A tile walks the union of its tokens' lists, so its size
 # trades tensor-core tile height against wasted rows: with lists drawn from few blocks (short contexts)
 # 128-row tiles share most of them; with many candidate blocks every token adds ~15 new blocks to the
 # union (8 tokens: ~84 of 144 blocks, 16 useful per token) and the smallest tile a dot takes (16 rows:
-# one token at TP1, two at TP8) does the least wasted work.  H200 measurements (bench/NOTES.md): at 64
-# table blocks bf16 is best at 128 rows / 8 warps and FP8 at 64 rows / 4 warps (its per-block
-# conversion favours fewer tiles); at 144 blocks 16-row tiles / 4 warps are best for both (TP1 4x2048
-# after a 16k prefix: bf16 104.7 TFLOP/s vs 75.1 with 32 rows, FP8 105.5 vs 64.7 with 64 rows).
+# one token at TP1, two at TP8) does the least wasted work.  Measured (bench/NOTES.md): at 64 table
+# blocks bf16 is best at 128 rows / 8 warps and FP8 at 64 rows / 4 warps (its per-block conversion
+# favours fewer tiles); at 144 blocks 16-row tiles / 4 warps are best for both.
 PREFILL_ROWS = 128
 FP8_PREFILL_ROWS = 64
 WIDE_TABLE_BLOCKS = 96

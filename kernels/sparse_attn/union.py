@@ -284,7 +284,7 @@ def sparse_attn_fwd_kernel(
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
                 # Zero again for the next call / CUDA-graph replay.  Relaxed: every split has arrived, so
                 # nothing else in this launch touches the counter, and the next launch starts after this
-                # one ends; acq_rel added a GPU-scope fence (~0.6 us on the merger's path, H200 stamps).
+                # one ends; acq_rel would add a GPU-scope fence on the merger's path.
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 _merge_partials(
                     partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, v_scale, D, FP16_DOTS
