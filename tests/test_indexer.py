@@ -290,3 +290,59 @@ def test_compiled_caller_no_recompiles(device):
             args = make_inputs(requests, 2, 32, device, seed=seed)
             assert torch.equal(compiled(*args), select(*args))
     assert counter.frame_count == frames
+
+
+def test_forced_blocks_outrank_any_score(device):
+    """Forced blocks come first whatever the scores: a key of 2^100 (or +inf) elsewhere does not outrank them."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 300), (1, 700)], 1, 16, device, seed=5)
+    index_k = torch.zeros_like(index_k)
+    index_q = torch.zeros_like(index_q)
+    index_q[..., 0] = 1.0
+    index_k[block_table[0, 0].long(), 3, 0] = 2.0**100  # request 0: block 0 scores 2^100, own block 2 scores 0
+    index_k[block_table[1, 1].long(), 0, 0] = float("inf")  # request 1: block 1 scores +inf, own block 5
+    index_k[block_table[1, 3].long(), 0, 0] = 2.0**100
+    args = (index_q, index_k, block_table, cu, seq_lens)
+    assert check_exact(args, 1, 0, 1)[0, :, 0].tolist() == [2, 5]
+    assert check_exact(args, 3, 0, 1)[0].tolist() == [[2, 0, 1], [5, 1, 3]]
+    # init block 0 first, then the two local blocks in ascending order, then by score
+    assert check_exact(args, 4, 1, 2)[0].tolist() == [[0, 1, 2, -1], [0, 4, 5, 1]]
+
+
+def test_bf16_subnormals_widen_exactly(device):
+    """bf16 subnormal keys and queries rank by their exact values (the interpreter's own bf16 -> fp32
+    conversion maps 2^-133 to 0 and 3*2^-133 to 2^-127)."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 640), (1, 512)], 1, 16, device, seed=6)
+    tiny = 2.0**-133
+    index_k = torch.zeros_like(index_k)
+    index_q = torch.zeros_like(index_q)
+    index_q[0, 0, 0] = 1.0
+    for block, value in ((1, tiny), (2, 3 * tiny), (3, 2.0**-127)):  # request 0: 3 > 2 > 1 > 0 (block 0)
+        index_k[block_table[0, block].long(), 5, 0] = value
+    index_q[1, 0, 1] = tiny  # request 1: the query is subnormal
+    for block, value in ((0, 1.0), (1, 3.0), (2, 2.0)):
+        index_k[block_table[1, block].long(), 0, 1] = value
+    assert index_k.dtype == torch.bfloat16 and float(index_k[block_table[0, 1].long(), 5, 0]) == tiny
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 5, 0, 1)
+    assert out[0].tolist() == [[4, 3, 2, 1, 0], [3, 1, 2, 0, -1]]
+
+
+SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n): every code path of both kernels
+    (1, 3, False, 1, 16),
+    (2, 2, True, 4, 128),
+    (4, 1, False, 16, 32),
+    (64, 5, True, 64, 16),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_same_lists(schedule, device):
+    """Split keys, query tiles of every size, both dot orientations, register and rescanning top-k."""
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    block_t, chunks, keys_major, topk_rows, block_n = schedule
+    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4)
+    args = make_inputs([(3, 1000), (1, 0), (70, 200), (1, 2200)], 2, 32, device, seed=block_t)
+    cpu_args = [t.cpu() for t in args]
+    for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):
+        out = kernels.index_topk(*args, topk, init_blocks, local_blocks, schedule=sched)
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
