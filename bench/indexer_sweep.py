@@ -18,6 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.run import _prepare_environment
+
+_prepare_environment(cpu=False)  # an uninstalled checkout: map mm3_compile.kernels onto kernels/
 
 from mm3_compile.kernels.indexer import topk as kernels
 from mm3_compile.kernels.indexer.naive import index_topk_ref
@@ -84,7 +87,7 @@ def make(case: IndexCase, device, gen, fp8_dtype=None, integer=True):
     T = case.B * case.q_len
     nbytes = case.B * case.seq_len * DIDX * 2
     sets = []
-    for _ in range(max(1, min(8, math.ceil(4 * (60 << 20) / nbytes)))):
+    for _ in range(max(1, min(32, math.ceil(4 * (60 << 20) / nbytes)))):
         pages = torch.randperm(pool, device=device, generator=gen)[: case.B * n_blocks]
         if integer:
             q = torch.randint(-3, 4, (T, case.Hidx, DIDX), device=device, generator=gen).to(torch.bfloat16)

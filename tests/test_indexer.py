@@ -346,3 +346,60 @@ def test_every_schedule_same_lists(schedule, device):
     for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):
         out = kernels.index_topk(*args, topk, init_blocks, local_blocks, schedule=sched)
         assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
+
+
+@pytest.mark.parametrize("target", [None, "gfx942"])
+def test_fp8_index_cache(target, device):
+    """An FP8 index cache (the authority's e4m3 flavour; gfx942: fnuz) ranks as its decoded values do.
+
+    Small integers are exact in e4m3, so the lists also equal the bf16 cache's; per-slot scales are
+    powers of two (exact products) and enter the reference as multiplied keys.
+    """
+    import contextlib
+
+    from mm3_compile import platform
+
+    with platform.emulate(target) if target else contextlib.nullcontext():
+        fp8 = platform.platform_for(device).kv_e4m3_dtype
+        index_q, index_k, block_table, cu, seq_lens = make_inputs([(3, 700), (1, 300), (1, 0)], 2, 32, device, seed=12)
+        k8 = index_k.to(fp8)
+        cpu = [t.cpu() for t in (index_q, k8, block_table, cu, seq_lens)]
+        out = torch.ops.mm3.index_topk(index_q, k8.view(torch.uint8), block_table, cu, seq_lens, 5, 0, 1, "fp8")
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 0, 1))
+        assert torch.equal(out, torch.ops.mm3.index_topk(index_q, index_k, block_table, cu, seq_lens, 5, 0, 1))
+        g = torch.Generator().manual_seed(3)
+        scale = 2.0 ** torch.randint(-3, 4, (index_k.shape[0] * PAGE,), generator=g).float()
+        out = torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 1, 1, "fp8", scale.to(device))
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 1, 1, index_k_scale=scale))
+        with pytest.raises(ValueError, match="index_k_scale: expected one scale per slot"):
+            torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1, "fp8", scale[:-1].to(device))
+        with pytest.raises(TypeError, match="index_k_cache: index_cache_dtype='auto' expects the dtype of index_q"):
+            torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1)
+    other = torch.float8_e4m3fnuz if target is None else torch.float8_e4m3fn
+    with pytest.raises(TypeError, match="index_k_cache: index_cache_dtype='fp8' on platform"):
+        torch.ops.mm3.index_topk(index_q, index_k.to(other), block_table, cu, seq_lens, 5, 0, 1, "fp8")
+
+
+def test_fp8_index_cache_write_and_scale_rule(device):
+    """write_index_cache stores index_k / s in e4m3 (one scalar s per layer: sqrt(Didx) * max|1 + w| / FP8_MAX)."""
+    from mm3_compile import platform
+    from mm3_compile.models.config import MiniMaxM3Config
+    from mm3_compile.models.layers import M3Attention, write_index_cache
+    from mm3_compile.models.tp import TPInfo
+
+    cfg = MiniMaxM3Config.tiny()
+    attn = M3Attention(cfg, True, TPInfo(), torch.bfloat16, device)
+    attn.index_k_norm.weight.fill_(0.5)
+    fp8 = platform.platform_for(device).kv_e4m3_dtype
+    scale = attn.index_k_scale()
+    expected_scale = 1.5 * cfg.index_head_dim**0.5 / platform.fp8_format(fp8).max
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and abs(scale.item() - expected_scale) < 1e-6
+    cache = torch.zeros(2, 1, PAGE, cfg.index_head_dim, dtype=fp8, device=device)
+    index_k = torch.randn(3, 1, cfg.index_head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 130], dtype=torch.int64)
+    write_index_cache(cache, index_k.to(device), slots.to(device), scale)
+    flat = cache.view(-1, cfg.index_head_dim).cpu()
+    want = (index_k.float() / scale.cpu()).to(fp8)[:, 0]
+    assert torch.equal(flat[5].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(flat[130].view(torch.uint8), want[2].view(torch.uint8))
+    assert int((flat.view(torch.uint8) != 0).any(-1).sum()) == 2  # the padding token wrote nothing

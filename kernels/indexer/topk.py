@@ -179,7 +179,11 @@ def _page_scores(
     row_page = key_off * 0 + page  # [128]
     page_ok = (row_page >= 0) & (row_page < num_pages)
     k_ptrs = k_ptr + page.to(tl.int64) * stride_kb + key_off[:, None] * stride_kp + d[None, :]
-    k = tl.load(k_ptrs, mask=page_ok[:, None] & (d < DIDX)[None, :], other=0)  # [128, BLOCK_D]
+    k_mask = page_ok[:, None] & (d < DIDX)[None, :]
+    if K_MODE == 0:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [128, BLOCK_D] typed (an int fill does not cast to FP8)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0)  # [128, BLOCK_D] bits or bytes
     if FP32_DOT:
         k = _widen(k, K_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
     elif K_MODE == 2:
@@ -273,7 +277,11 @@ def _index_score_kernel(
         full_end = tl.where(first_pos >= 0, (first_pos + 1) // PAGE, 0)  # blocks every row sees whole
         d = tl.arange(0, BLOCK_D)
         q_ptrs = q_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (d < DIDX)[None, :], other=0)  # [ROWS, BLOCK_D]
+        q_mask = row_ok[:, None] & (d < DIDX)[None, :]
+        if Q_MODE == 0:
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [ROWS, BLOCK_D]
+        else:
+            q = tl.load(q_ptrs, mask=q_mask, other=0)
         if FP32_DOT:
             q = _widen(q, Q_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
         s_ptrs = score_ptr + head.to(tl.int64) * stride_sh + tokens * stride_st  # [ROWS]
