@@ -40,8 +40,8 @@ def _resolve_index_cache(index_q, index_k_cache, index_cache_dtype):
     if not platform.is_fp8(wanted):
         if wanted != index_q.dtype or index_k_cache.dtype != wanted:
             raise TypeError(
-                f"index_k_cache: index_cache_dtype={index_cache_dtype!r} expects the dtype of index_q "
-                f"({index_q.dtype}), got {index_k_cache.dtype}"
+                f"index_k_cache: expected the dtype of index_q ({index_q.dtype}) for "
+                f"index_cache_dtype={index_cache_dtype!r}, got {index_k_cache.dtype}"
             )
         return index_k_cache, None
     if index_k_cache.dtype == torch.uint8:
