@@ -208,7 +208,13 @@ def main():
                 differ, slots, total = 0, 0, 0
                 for q, table in sets[:2]:
                     a = kernels.index_topk(q, k, table, cu, seq_lens, 16, 0, 1)
-                    b = kernels.index_topk(q, k8, table, cu, seq_lens, 16, 0, 1, fp8_fmt)
+                    try:
+                        b = kernels.index_topk(q, k8, table, cu, seq_lens, 16, 0, 1, fp8_fmt)
+                    except Exception as e:  # noqa: BLE001 -- an FP8 compile failure is a row, not the end of the sweep
+                        record(
+                            shape=case.shape, variant="fp8 vs bf16 sets", us="", pct="", ok=False, note=repr(e)[:300]
+                        )
+                        break
                     sa, sb = a.sort(-1).values, b.sort(-1).values
                     row_diff = (sa != sb).any(-1)
                     differ += int(row_diff.sum())
@@ -216,6 +222,8 @@ def main():
                     # entries of b's set missing from a's
                     missing = (b[..., :, None] != a[..., None, :]).all(-1).sum()
                     slots += int(missing)
+                if total == 0:
+                    continue
                 record(
                     shape=case.shape,
                     variant="fp8 vs bf16 sets",
