@@ -36,7 +36,10 @@ def format_code(fmt: FP8Format | None) -> int:
     if fmt is None:
         return NOT_FP8
     return (
-        fmt.mantissa_bits | (fmt.exponent_bias << BIAS_SHIFT) | (int(fmt.fnuz) << FNUZ_BIT) | (int(fmt.has_inf) << INF_BIT)
+        fmt.mantissa_bits
+        | (fmt.exponent_bias << BIAS_SHIFT)
+        | (int(fmt.fnuz) << FNUZ_BIT)
+        | (int(fmt.has_inf) << INF_BIT)
     )
 
 

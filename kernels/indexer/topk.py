@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 from mm3_compile.kernels._launch import empty_row_major, launch, size_hint
-from mm3_compile.kernels.fp8 import format_constants, fp8_decode
+from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
+from mm3_compile.kernels.packed import find_request, find_requests
 
-from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.platform import FP8Format, interpreting
 
@@ -120,26 +120,12 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
 
 
 @triton.jit
-def _find_request(cu_ptr, num_reqs, x):
-    """Largest r < num_reqs with cu[r] <= x (entries that tie are passed over to the last one)."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: cu[lo] <= x < cu[hi] (or hi = num_reqs)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        right = tl.load(cu_ptr + mid) <= x
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
-
-
-@triton.jit
-def _widen(x, MODE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_FNUZ: tl.constexpr,
-           FP8_HAS_INF: tl.constexpr):  # fmt: skip
+def _widen(x, MODE: tl.constexpr, FP8: tl.constexpr):
     """A loaded tile as fp32 (exact): bf16 bits shifted into place, FP8 bytes decoded, else a cast."""
     if MODE == 1:
         return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     elif MODE == 2:
-        return fp8_decode(x, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+        return fp8_decode(x, FP8)
     else:
         return x.to(tl.float32)
 
@@ -167,10 +153,7 @@ def _page_scores(
     HAS_K_SCALE: tl.constexpr,
     FP32_DOT: tl.constexpr,
     KEYS_MAJOR: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
+    FP8: tl.constexpr,  # FP8 format code of the index-K bytes (kernels/fp8.py)
 ):
     """[ROWS] max over the page's (visible) keys of the row's dot product (NaN-propagating)."""
     key_off = tl.arange(0, PAGE)
@@ -185,9 +168,9 @@ def _page_scores(
     else:
         k = tl.load(k_ptrs, mask=k_mask, other=0)  # [128, BLOCK_D] bits or bytes
     if FP32_DOT:
-        k = _widen(k, K_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+        k = _widen(k, K_MODE, FP8)
     elif K_MODE == 2:
-        k = fp8_decode(k, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF).to(q.dtype)  # exact in bf16/fp16
+        k = fp8_decode(k, FP8).to(q.dtype)  # exact in bf16/fp16
     else:
         k = k.to(q.dtype)  # typed FP8 -> bf16/fp16 is exact; a no-op otherwise
     if KEYS_MAJOR:
@@ -239,10 +222,10 @@ def _index_score_kernel(
     HAS_K_SCALE: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
     KEYS_MAJOR: tl.constexpr,
-    FP8_MANT: tl.constexpr,
-    FP8_BIAS: tl.constexpr,
-    FP8_FNUZ: tl.constexpr,
-    FP8_HAS_INF: tl.constexpr,
+    FP8: tl.constexpr,  # the FP8 launch constants of the index-K cache (kernels/fp8.py)
+    FP8_MAX: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
 ):
     stride_st = score_row_units * 16
     stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
@@ -251,11 +234,11 @@ def _index_score_kernel(
     n_chunks = tl.num_programs(1)
     if BLOCK_T == 1:
         tile_ok = tile < tl.load(cu_seqlens_ptr + num_reqs)
-        req = _find_request(cu_seqlens_ptr, num_reqs, tile)
+        req = find_request(cu_seqlens_ptr, num_reqs, tile)
         i0 = tile - tl.load(cu_seqlens_ptr + req)
     else:
         tile_ok = tile < tl.load(tile_cu_ptr + num_reqs)
-        req = _find_request(tile_cu_ptr, num_reqs, tile)
+        req = find_request(tile_cu_ptr, num_reqs, tile)
         i0 = (tile - tl.load(tile_cu_ptr + req)) * BLOCK_T
     if tile_ok:  # surplus programs (and num_reqs = 0) read nothing
         q_start = tl.load(cu_seqlens_ptr + req)
@@ -283,21 +266,21 @@ def _index_score_kernel(
         else:
             q = tl.load(q_ptrs, mask=q_mask, other=0)
         if FP32_DOT:
-            q = _widen(q, Q_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+            q = _widen(q, Q_MODE, FP8)
         s_ptrs = score_ptr + head.to(tl.int64) * stride_sh + tokens * stride_st  # [ROWS]
         bt_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
         for b in range(lo, tl.minimum(hi, full_end)):
             page = tl.load(bt_ptr + b * stride_btb)
             best = _page_scores(
                 q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, False, DIDX, BLOCK_D,
-                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8,
             )  # fmt: skip
             tl.store(s_ptrs + b, best, mask=row_ok)
         for b in range(tl.maximum(lo, full_end), hi):
             page = tl.load(bt_ptr + b * stride_btb)
             best = _page_scores(
                 q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, True, DIDX, BLOCK_D,
-                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8,
             )  # fmt: skip
             tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
 
@@ -344,15 +327,7 @@ def _index_topk_kernel(
     rows = tl.where(row_ok, rows, 0)
     head = rows // total_q
     token = rows % total_q
-    # the token's request: largest r < num_reqs with cu[r] <= token (vector binary search)
-    lo = tl.zeros([ROWS], dtype=tl.int32)
-    hi = lo + num_reqs
-    while tl.max(hi - lo, axis=0) > 1:
-        active = hi - lo > 1
-        mid = (lo + hi) // 2
-        right = active & (tl.load(cu_seqlens_ptr + mid, mask=active, other=0) <= token)
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(active & ~right, mid, hi)
+    lo = find_requests(cu_seqlens_ptr, num_reqs, token)  # the token's request
     has_req = row_ok & (lo < num_reqs)
     q_start = tl.load(cu_seqlens_ptr + lo, mask=has_req, other=0)
     q_end = tl.load(cu_seqlens_ptr + lo + 1, mask=has_req, other=0)
@@ -424,12 +399,9 @@ def index_topk(
     scores = empty_row_major((num_heads, total_q, score_row), torch.float32, device)
     fp32_dot = interpreting() or index_q.dtype == torch.float32
     q_arg, q_mode = _read_mode(index_q, fp32_dot)
-    fp8 = {"FP8_MANT": 0, "FP8_BIAS": 0, "FP8_FNUZ": False, "FP8_HAS_INF": False}
+    fp8 = fp8_launch(k_format, index_k_cache)
     if k_format is not None:
-        fp8 = format_constants(k_format)
-        fp8.pop("FP8_MAX")
-        native = platform.triton_native_fp8(k_format.dtype, device)
-        k_arg, k_mode = (index_k_cache, READ_TYPED) if native else (index_k_cache.view(torch.uint8), READ_FP8_BYTES)
+        k_arg, k_mode = fp8.view(index_k_cache), READ_TYPED if fp8.native_load else READ_FP8_BYTES
     else:
         k_arg, k_mode = _read_mode(index_k_cache, fp32_dot)
     block_t = schedule.block_t
@@ -451,7 +423,7 @@ def index_topk(
         block_table.stride(0), block_table.stride(1), score_row // 16,
         HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=block_t,
         ROWS=schedule.rows(num_heads), Q_MODE=q_mode, K_MODE=k_mode, HAS_K_SCALE=k_scale is not None,
-        FP32_DOT=fp32_dot, KEYS_MAJOR=schedule.keys_major, **fp8,
+        FP32_DOT=fp32_dot, KEYS_MAJOR=schedule.keys_major, **fp8.constexprs(),
         num_warps=schedule.score_warps, num_stages=schedule.score_stages,
     )  # fmt: skip
     out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)

@@ -10,7 +10,6 @@ from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.platform import FP8Format
 
 
-
 def _encode(x: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, cache_dtype, fmt: FP8Format | None):
     """x [n, Hkv, D] -> the bytes/elements to store, in the cache's storage dtype (uint8 for FP8)."""
     if fmt is None:

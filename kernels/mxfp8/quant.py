@@ -13,10 +13,10 @@ import struct
 import torch
 import triton
 import triton.language as tl
-
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import FP8Launch, fp8_encode, fp8_encode_native, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
+
 from mm3_compile.contract import LOG2E, MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
 
@@ -33,7 +33,9 @@ def _sigmoid(x, FLUSH_SUBNORMALS: tl.constexpr):
         e = tl.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * NEG_LOG2E], dtype=tl.float32, is_pure=True, pack=1
         )
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
     return tl.sigmoid(x)
 
 
@@ -107,7 +109,9 @@ def _mxfp8_quantize_kernel(
     NB: tl.constexpr = BLOCK_K // MX
     scale_cols = pid_k * NB + tl.arange(0, NB)
     scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // MX)
-    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (K // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+    tl.store(
+        scales_ptr + rows[:, None].to(tl.int64) * (K // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask
+    )
 
 
 @triton.jit
@@ -147,14 +151,18 @@ def _swiglu_oai_mxfp8_kernel(
     alpha, beta, limit = tl.cast(alpha, tl.float32), tl.cast(beta, tl.float32), tl.cast(limit, tl.float32)
     if HAS_LIMIT:  # NaN stays NaN, as in torch.clamp (a plain min/max would return the limit)
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(
+            tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL
+        )
     act = gate * _sigmoid(alpha * gate, FP8_NATIVE_STORE != 0) * (up + beta)  # fp32, never rounded before the quant
     codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8, FP8_MAX, FP8_NATIVE_STORE)
     tl.store(values_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], codes.to(tl.uint8), mask=mask)
     NB: tl.constexpr = BLOCK_K // MX
     scale_cols = pid_k * NB + tl.arange(0, NB)
     scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < I // MX)
-    tl.store(scales_ptr + rows[:, None].to(tl.int64) * (I // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask)
+    tl.store(
+        scales_ptr + rows[:, None].to(tl.int64) * (I // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask
+    )
 
 
 def quant_constexprs(fp8: FP8Launch) -> dict:

@@ -17,10 +17,11 @@ paths see the same operands.
 
 import triton
 import triton.language as tl
+from mm3_compile.kernels.fp8 import fp8_decode
+from mm3_compile.kernels.packed import find_requests
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.kernels.fp8 import fp8_decode
 
 PAGE = tl.constexpr(PAGE_SIZE)  # tokens per page == sparse block size (a Triton global must be a constexpr)
 # The Triton interpreter converts fp32 -> bf16 by truncation toward zero (P and the outputs came out
@@ -211,19 +212,6 @@ def scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE: tl.constexpr):
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     return k_scale, v_scale
-
-
-@triton.jit
-def find_requests(cu_seqlens_ptr, num_reqs, tokens):
-    """Per element of ``tokens``: the largest r with cu_seqlens[r] <= token (empty requests are skipped over)."""
-    lo = tl.zeros(tokens.shape, tl.int32)
-    hi = lo + num_reqs  # invariant: cu[lo] <= token < cu[hi]
-    while tl.max(hi - lo) > 1:
-        mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) <= tokens
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
 
 
 @triton.jit

@@ -1,0 +1,214 @@
+"""Attention code generation: GPU targets compiled ahead on the CPU, symbolic traces, no recompiles."""
+
+import pytest
+import torch
+from mm3_compile.kernels._launch import size_hint
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+
+from mm3_compile.ops._kv import resolve_cache_view
+from tests.sparse_attn.helpers import build
+
+AOT_COMPILE_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mm3_compile import platform
+from mm3_compile.kernels.fp8 import FP8Launch
+from mm3_compile.kernels.sparse_attn import schedule, union
+
+target_name, kv_type, G, D, block_q, varlen, scale_mode, native = sys.argv[1:]
+target = GPUTarget("cuda", 90, 32) if target_name == "sm_90" else GPUTarget("hip", target_name, 64)
+kernel = union.sparse_attn_fwd_kernel
+names = kernel.arg_names
+G, D, block_q, scale_mode = int(G), int(D), int(block_q), int(scale_mode)
+block_h = schedule.head_block(G, block_q)
+fmt = None if kv_type == "*bf16" else platform.fp8_format(
+    platform.FP8_E4M3_FNUZ if "b8" in kv_type else platform.FP8_E4M3_OCP)
+decode_tile = varlen != "1" and block_q == 1
+# a one-token bf16 decode grid of at most one program per SM (132 on the H200): the 3-stage variant
+options = schedule.launch_options("nvidia" if target_name == "sm_90" else "amd", 132, block_q * block_h,
+                                  prefill=varlen == "1", fp8_decode=fmt is not None and decode_tile,
+                                  bf16_decode_programs=1 if fmt is None and decode_tile else None)
+constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
+                  SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"), FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
+                  PDL=target_name == "sm_90" and varlen != "1", **FP8Launch(fmt, native_load=native == "1").constexprs())
+pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
+                v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
+
+
+def arg_type(name):
+    if name in constexprs:
+        return "constexpr"
+    if name in pointers:
+        return pointers[name]
+    return "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
+
+
+signature = {n: arg_type(n) for n in names}
+# Real launches specialise 16-divisible pointers and strides; without the hint loads do not vectorise.
+aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qt", "stride_qh", "stride_kb", "stride_kh",
+                                                           "stride_kt")]
+source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
+                   {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+compiled = triton.compile(source, target=target, options=options)
+print("compiled", sorted(compiled.asm))
+"""
+
+
+KV_CENTRIC_COMPILE_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mm3_compile import platform
+from mm3_compile.kernels.fp8 import FP8Launch
+from mm3_compile.kernels.sparse_attn import kv_centric as kc
+from mm3_compile.kernels.sparse_attn import schedule
+
+kv_type, G, scale_mode, native, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
+target = GPUTarget("cuda", 90, 32)
+block_tok = kc.tile_tokens(G)
+block_h = schedule.head_block(G, block_tok)
+fmt = None if kv_type == "*bf16" else platform.fp8_format(platform.FP8_E4M3_OCP)
+options = schedule.launch_options("nvidia", 132, block_tok * block_h, prefill=True)
+dot_fp32 = options.pop("DOT_FP32")
+
+
+def build(kernel, constexprs, pointers, aligned_ints, options):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else
+                 "*i32" if n.endswith("_ptr") else "i32") for n in names}  # fmt: skip
+    aligned = [n for n in names if n.endswith("_ptr") or n in aligned_ints]
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
+                       {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
+    triton.compile(source, target=target, options=options)
+
+
+build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), dict(num_warps=4))
+build(kc.kv_centric_attn_kernel,
+      dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
+           SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, **FP8Launch(fmt, native_load=native).constexprs(),
+           FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
+      dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+           partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32"),
+      ("stride_qt", "stride_qh", "stride_kb", "stride_kh", "stride_kt"), options)
+build(kc.merge_slots_kernel,
+      dict(G=G, D=128, BLOCK_R=kc.MERGE_ROWS, BLOCK_T=16, SCALE_OUT=model == "*fp16" and scale_mode == 1),
+      dict(partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32", out_ptr=model, v_scale_ptr="*fp32"), (),
+      dict(num_warps=4))
+print("compiled")
+"""
+
+
+def test_launch_choices_read_size_hints_without_guards():
+    """Under dynamic shapes the split/stage choice reads the example batch and adds no guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    batch = env.create_symintnode(env.create_symbol(32, ConstantSource("batch"), DimDynamic.DYNAMIC), hint=32)
+    assert size_hint(batch * 4) == 128 and size_hint(7) == 7
+    assert size_hint(env.create_unbacked_symint()) is None
+    assert not env.guards
+
+
+def test_compiled_caller_does_not_recompile_when_batch_varies(device):
+    """Token counts, request counts and cache sizes are symbolic through the fakes: one graph serves all."""
+    import torch._dynamo.testing
+
+    def step(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens):
+        out = torch.ops.mm3.sparse_attn_prefill(q * 1, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, 0.125)
+        dec = torch.ops.mm3.sparse_attn_decode(q[: seq_lens.shape[0]], kv_cache, topk_idx[:, : seq_lens.shape[0]],
+                                               block_table, seq_lens, 0.125)  # fmt: skip
+        return out.float().sum(-1), dec
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+
+    def args(reqs, seed):
+        case = build(device, reqs, D=64, Hkv=1, G=2, T=2, seed=seed)
+        return (case.q, case.kv_cache, case.topk_idx, case.block_table, case.cu_seqlens_q, case.seq_lens)
+
+    # Duck sizing would tie tiny sizes that happen to be equal (e.g. 4 pages and 4 heads) together.
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        compiled(*args([(140, 3), (20, 2)], 0))
+    frames = counter.frame_count
+    with torch.compiler.set_stance("fail_on_recompile"), torch.fx.experimental._config.patch(use_duck_shape=False):
+        for reqs in ([(300, 4), (10, 2), (130, 3)], [(260, 5), (129, 2)]):
+            inputs = args(reqs, len(reqs))
+            for got, expected in zip(compiled(*inputs), step(*inputs)):
+                torch.testing.assert_close(got, expected)
+    assert counter.frame_count == frames
+
+
+@pytest.mark.gpu
+def test_gpu_launchers_trace_with_symbolic_shapes(device):
+    """make_fx(symbolic) records the kernels (wrap_triton) with symbolic token counts; the graph replays other sizes."""
+    from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def tensors(case):
+        view, _ = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+        return case.q, view, case.topk_idx, case.block_table, case.cu_seqlens_q, case.seq_lens
+
+    def prefill(q, kv, topk, table, cu, lens):
+        return prefill_kernels.sparse_attn_prefill(q, kv, None, topk, table, cu, lens, 0.125, None, None, 0)
+
+    def decode(q, kv, topk, table, cu, lens):
+        return decode_kernels.sparse_attn_decode(q, kv, None, topk, table, lens, 0.125, None, None, 0)
+
+    first = build(device, [(700, 300), (300, 300)], D=128, Hkv=2, G=8, T=16, seed=1)
+    second = build(device, [(900, 17), (200, 17), (1500, 17)], D=128, Hkv=2, G=8, T=16, seed=2)
+    for fn in (prefill, decode):
+        graph = make_fx(fn, tracing_mode="symbolic")(*tensors(first))
+        assert "triton_kernel_wrapper" in graph.code
+        torch.testing.assert_close(graph(*tensors(second)), fn(*tensors(second)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "target, kv_type, G, D, block_q, varlen, scale_mode, native",
+    [
+        ("sm_90", "*bf16", 16, 128, 8, 1, 0, 0),  # TP1 prefill tile
+        ("sm_90", "*bf16", 16, 128, 1, 0, 0, 0),  # TP1 bf16 decode, 3 stages
+        ("sm_90", "*u8", 8, 64, 16, 1, 2, 0),  # FP8 bytes, per-slot scales, D 64
+        ("gfx942", "*fp8e4b8", 16, 128, 1, 0, 1, 1),  # split decode on MI300: typed e4m3fnuz
+        ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1),  # split decode on the H200 at TP8: typed e4m3fn, scalar scale
+    ],
+)
+def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen, scale_mode, native):
+    """The interpreter accepts things GPU compilation rejects (e.g. non-constexpr globals): compile ahead of time."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [str(a) for a in (target, kv_type, G, D, block_q, varlen, scale_mode, native)]
+    result = subprocess.run([sys.executable, "-c", AOT_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "kv_type, G, scale_mode, native, model",
+    [
+        ("*bf16", 16, 0, 0, "*bf16"),
+        ("*fp8e4nv", 8, 1, 1, "*bf16"),
+        ("*u8", 16, 2, 0, "*bf16"),
+        ("*fp8e4nv", 16, 1, 1, "*fp16"),  # scales folded (fp16 model)
+    ],
+)
+def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native, model):
+    """The KV-centric prefill kernels compile for the H200 (the CPU tests run them in the interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [kv_type, str(G), str(scale_mode), str(native), model]
+    result = subprocess.run([sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled" in result.stdout

@@ -1,0 +1,161 @@
+"""The attention launch schedules (tiles, splits, warps, stages, PDL): pure functions of shapes and the device."""
+
+import functools
+
+import pytest
+import torch
+from mm3_compile.kernels._launch import eager_launches
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+from mm3_compile.kernels.sparse_attn import kv_centric, prefill
+from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
+
+from mm3_compile import platform
+from mm3_compile.ops._kv import resolve_cache_view
+from tests.sparse_attn.helpers import assert_close, build
+
+
+@pytest.mark.parametrize("spec", ["auto", "fp8"])
+def test_prefill_tile_follows_the_block_table_width(spec, device):
+    """Wide block tables (lists drawn from many blocks) switch prefill to 16-row tiles (one token per
+    program at 16 query heads per KV head); narrower ones take 128 rows (bf16) or 64 (FP8).  A table
+    padded past the threshold with real pages must give the reference's output."""
+    assert prefill.prefill_block_q(16, 64, fp8=False) == 8 and prefill.prefill_block_q(8, 64, fp8=False) == 16
+    assert prefill.prefill_block_q(16, 64, fp8=True) == 4 and prefill.prefill_block_q(8, 64, fp8=True) == 8
+    for fp8 in (False, True):
+        wide = prefill.WIDE_TABLE_BLOCKS
+        assert prefill.prefill_block_q(16, wide, fp8) == 1 and prefill.prefill_block_q(8, wide, fp8) == 2
+        assert prefill.prefill_block_q(3, 1024, fp8) == 4  # 4 padded heads x 4 tokens
+    case = build(device, [(300, 9), (263, 6)], D=64, Hkv=1, G=16, spec=spec, scale="scalar")
+    pad = case.block_table[:, :1].expand(-1, prefill.WIDE_TABLE_BLOCKS)  # columns no list can name
+    case.block_table = torch.cat([case.block_table, pad], dim=1)
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16, "wide")
+
+
+def test_prefill_schedule_follows_the_hardware_and_list_length(monkeypatch):
+    """KV-centric for lists of up to KV_CENTRIC_MAX_SLOTS slots; the union walk for longer ones (dense
+    layers list every block: a T x output workspace would grow with the context) and on ROCm (its
+    LDS cannot hold a converted block pair and a query tile).  Never from sizes that vary per call."""
+    cpu = torch.device("cpu")
+    limit = prefill.KV_CENTRIC_MAX_SLOTS
+    assert prefill.prefill_schedule(cpu, 16) == prefill.prefill_schedule(cpu, limit) == "kv_centric"
+    assert prefill.prefill_schedule(cpu, limit + 1) == "union"
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
+    assert prefill.prefill_schedule(torch.device("cuda", 0), 16) == "kv_centric"
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
+    assert prefill.prefill_schedule(torch.device("cuda", 0), 16) == "union"
+
+
+@pytest.mark.parametrize("pair_rows, tiles", [(16, 1), (16, 2), (32, 4)])
+def test_kv_centric_runs_split_across_programs(pair_rows, tiles, device, monkeypatch):
+    """Programs take fixed slices of the sorted pairs, so a block's run is cut across programs and a
+    program holds the tail of one run and the head of the next (tiny tiles make every case occur),
+    including ids listed twice and slots that do not count."""
+    monkeypatch.setattr(kv_centric, "PAIR_ROWS", pair_rows)
+    monkeypatch.setattr(kv_centric, "TILES_PER_PROGRAM", tiles)
+    monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: "kv_centric")
+    case = build(device, [(700, 13), (390, 5), (140, 0), (263, 7)], D=64, Hkv=2, G=4, T=5, seed=5)
+    case.topk_idx[:, ::3, 2] = case.topk_idx[:, ::3, 1]  # repeats: counted once
+    assert_close(torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference(), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "num_splits, block_q, q_per_req", [(1, 1, 1), (3, 1, 1), (4, 1, 1), (7, 1, 1), (2, 4, 2), (3, 2, 3)]
+)
+def test_decode_split_counts(num_splits, block_q, q_per_req, device):
+    """Any split count merges to the same answer, including splits that own no block (3 or 7 splits of
+    4 slots); token tiles (block_q > 1) split the union of their blocks and may straddle requests."""
+    case = build(device, [(400, q_per_req), (0, q_per_req), (200, q_per_req)], D=64, Hkv=1, G=4, T=4)
+    view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
+
+    def run(q):
+        with eager_launches():
+            return decode_kernels.sparse_attn_decode(
+                q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
+                num_splits=num_splits, block_q=block_q,
+            )  # fmt: skip
+
+    out = run(case.q)
+    assert (out[q_per_req : 2 * q_per_req] == 0).all()
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype)
+    assert_close(out, ref, torch.bfloat16, f"{num_splits} splits, {block_q} tokens per program")
+    # On CUDA the in-kernel merge's arrival counters are shared between calls: the merging programs
+    # left them at zero, so a call with other queries merges correctly too.
+    if device.type == "cuda":
+        counters = decode_kernels._arrival_counters(1, case.q)
+        assert counters.numel() == decode_kernels.ARRIVAL_COUNTERS and not counters.any()
+    q2 = torch.randn_like(case.q)
+    ref2 = sparse_attn_decode_ref(q2, *case.decode_args()[1:6], case.storage_dtype)
+    assert_close(run(q2), ref2, torch.bfloat16, f"second call, {num_splits} splits")
+
+
+def test_split_plan_fills_the_target_grid():
+    """Splits grow until (tokens x KV heads x splits) reaches the device's target program count, at most T."""
+    cpu = torch.device("cpu")
+    assert decode_kernels.split_plan(1, 1, 16, cpu) == (8, 2)  # 8 programs in the interpreter
+    assert decode_kernels.split_plan(1000, 4, 16, cpu) == (1, 16)
+    assert decode_kernels.split_plan(3, 1, 4, cpu) == (2, 2)
+
+
+def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
+    """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 3 stages while the
+    grid fits one wave; FP8 decode keeps two programs per SM and runs 3 stages."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(decode_kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
+    monkeypatch.setattr(platform, "platform_for", lambda device=None: platform._platform_for_target("sm_90", False))
+    monkeypatch.setattr(decode_kernels, "sm_count", lambda index: 132)
+    monkeypatch.setattr(attn_schedule, "sm_count", lambda index: 132)
+    bf16, fp8 = decode_kernels.BF16_PROGRAMS_PER_SM, decode_kernels.PROGRAMS_PER_SM
+    assert decode_kernels.split_plan(32, 4, 16, cuda, bf16) == (1, 16)  # TP1 B32: 128 programs
+    assert decode_kernels.split_plan(32, 1, 16, cuda, bf16) == (4, 4)  # TP8 B32
+    assert decode_kernels.split_plan(32, 1, 16, cuda, fp8) == (8, 2)
+    assert decode_kernels.split_plan(128, 4, 16, cuda, bf16) == (1, 16)  # TP1 B128: 4 programs per SM
+    options = functools.partial(attn_schedule.kernel_options, cuda, 16, False)
+    assert options(bf16_decode_programs=132)["num_stages"] == 3
+    assert options(bf16_decode_programs=133)["num_stages"] == 2
+    assert options(bf16_decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
+    assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
+
+
+def test_shared_counters_are_real_cuda_tensors_only():
+    """A trace with fake tensors gets its own zeros; CPU calls (which threads may run concurrently)
+    get fresh counters every call, never the shared buffer."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake_q = mode.from_tensor(torch.zeros(2, 4, 64, dtype=torch.bfloat16))
+        assert isinstance(decode_kernels._arrival_counters(2, fake_q), FakeTensor)
+    cpu_q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    first, second = (decode_kernels._arrival_counters(2, cpu_q) for _ in range(2))
+    assert first.numel() == second.numel() == 2 and first.data_ptr() != second.data_ptr()
+    assert not first.any() and not second.any()
+
+
+def test_decode_never_splits_on_rocm(monkeypatch):
+    """The in-kernel merge relies on NVIDIA's ordering of a CTA's stores before one thread's release."""
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
+    assert decode_kernels.split_plan(1, 1, 16, torch.device("cuda", 0)) == (1, 16)
+
+
+def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
+    """Programmatic dependent launch: never under the interpreter or on the CPU, never for launches traced
+    into a graph (Inductor's user-kernel launcher has no ``launch_pdl``), off with ``MM3_PDL=0``."""
+    from mm3_compile.kernels._launch import traced_launches
+
+    assert not attn_schedule.use_pdl(torch.device("cpu"))
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert attn_schedule.use_pdl(cuda)
+    with traced_launches():
+        assert not attn_schedule.use_pdl(cuda)
+    monkeypatch.setenv("MM3_PDL", "0")
+    assert not attn_schedule.use_pdl(cuda)
+    monkeypatch.setenv("MM3_PDL", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert not attn_schedule.use_pdl(cuda)
+    monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
+    assert not attn_schedule.use_pdl(cuda)
