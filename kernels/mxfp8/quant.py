@@ -87,14 +87,10 @@ def _mxfp8_quantize_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MAX_EXP: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py)
-    FP8_MAX: tl.constexpr,
-    FP8_NATIVE_LOAD: tl.constexpr,
-    FP8_NATIVE_STORE: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-):
+    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, FP8_NATIVE_STORE: tl.constexpr,
+):  # fmt: skip
     K = k_blocks * MX  # sizes rebuilt from units: the compiler sees their alignment (see _row_units)
     stride_xm = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)
@@ -129,14 +125,10 @@ def _swiglu_oai_mxfp8_kernel(
     ROW_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MAX_EXP: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    FP8: tl.constexpr,  # the FP8 launch constants (kernels/fp8.py)
-    FP8_MAX: tl.constexpr,
-    FP8_NATIVE_LOAD: tl.constexpr,
-    FP8_NATIVE_STORE: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-):
+    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, FP8_NATIVE_STORE: tl.constexpr,
+):  # fmt: skip
     I = i_blocks * MX
     stride_m = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)

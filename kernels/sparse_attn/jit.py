@@ -100,13 +100,8 @@ def load_block(
     v_scale_ptr,
     kv_head,
     stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr,
-    MODEL_DTYPE: tl.constexpr,
-    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
-    FP8_NATIVE_LOAD: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    D: tl.constexpr, MODEL_DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP16_DOTS: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
 ):  # fmt: skip
     """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
     loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
@@ -185,19 +180,14 @@ def attend_block(
     kv_head,
     qk_scale,
     stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr,
-    MODEL_DTYPE: tl.constexpr,
-    FP8: tl.constexpr,  # FP8 format code (kernels/fp8.py), 0: a bf16/fp16 cache
-    FP8_NATIVE_LOAD: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    D: tl.constexpr, MODEL_DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+    FP16_DOTS: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
 ):  # fmt: skip
     """One 128-key block: load it, then the online-softmax update (see ``load_block``, ``attend_loaded``)."""
     k, v = load_block(
         head_base, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
         stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-        D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32, FP16_DOTS,
+        D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
     )  # fmt: skip
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     return attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)

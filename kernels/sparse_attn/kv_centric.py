@@ -255,8 +255,7 @@ def kv_centric_attn_kernel(
         k, v = load_block(
             kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
             kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-            D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
-            FOLD_SCALES,
+            D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FOLD_SCALES, FP8, FP8_NATIVE_LOAD,
         )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
         if negate_k:
             k = -k

@@ -220,8 +220,7 @@ def sparse_attn_fwd_kernel(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
-                D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
-                FP16_DOTS,
+                D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
             )  # fmt: skip
     else:
         # Several tokens: walk the distinct keys of the tile once each, in ascending order (a
@@ -248,8 +247,7 @@ def sparse_attn_fwd_kernel(
                 q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
                 k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
                 stride_vsh, stride_vss,
-                D, MODEL_DTYPE, FP8, FP8_NATIVE_LOAD, SCALE_MODE, DOT_FP32,
-                FP16_DOTS,
+                D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
             )  # fmt: skip
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
