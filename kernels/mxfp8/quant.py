@@ -77,6 +77,18 @@ def _mx_quantize_tile(
 
 
 @triton.jit
+def _store_tile(values_ptr, scales_ptr, codes, sb, rows, cols, mask, pid_k, M, K, BLOCK_K: tl.constexpr):
+    """Store a quantized tile: FP8 bytes into values [M, K], its E8M0 bytes into scales [M, K / 32]."""
+    tl.store(values_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+    NB: tl.constexpr = BLOCK_K // MX
+    scale_cols = pid_k * NB + tl.arange(0, NB)
+    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // MX)
+    tl.store(
+        scales_ptr + rows[:, None].to(tl.int64) * (K // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask
+    )
+
+
+@triton.jit
 def _mxfp8_quantize_kernel(
     x_ptr,  # [M, K] any float dtype, last dim contiguous
     values_ptr,  # [M, K] uint8 view of the FP8 output
@@ -101,13 +113,7 @@ def _mxfp8_quantize_kernel(
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = to_fp32(x, EXACT_BF16)
     codes, sb = _mx_quantize_tile(x, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8, FP8_MAX, FP8_NATIVE_STORE)
-    tl.store(values_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], codes.to(tl.uint8), mask=mask)
-    NB: tl.constexpr = BLOCK_K // MX
-    scale_cols = pid_k * NB + tl.arange(0, NB)
-    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < K // MX)
-    tl.store(
-        scales_ptr + rows[:, None].to(tl.int64) * (K // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask
-    )
+    _store_tile(values_ptr, scales_ptr, codes, sb, rows, cols, mask, pid_k, M, K, BLOCK_K)
 
 
 @triton.jit
@@ -148,13 +154,7 @@ def _swiglu_oai_mxfp8_kernel(
         )
     act = gate * _sigmoid(alpha * gate, FP8_NATIVE_STORE != 0) * (up + beta)  # fp32, never rounded before the quant
     codes, sb = _mx_quantize_tile(act, BLOCK_M, BLOCK_K, MAX_EXP, MAX_MANT, FP8, FP8_MAX, FP8_NATIVE_STORE)
-    tl.store(values_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], codes.to(tl.uint8), mask=mask)
-    NB: tl.constexpr = BLOCK_K // MX
-    scale_cols = pid_k * NB + tl.arange(0, NB)
-    scale_mask = (rows[:, None] < M) & (scale_cols[None, :] < I // MX)
-    tl.store(
-        scales_ptr + rows[:, None].to(tl.int64) * (I // MX) + scale_cols[None, :], sb.to(tl.uint8), mask=scale_mask
-    )
+    _store_tile(values_ptr, scales_ptr, codes, sb, rows, cols, mask, pid_k, M, I, BLOCK_K)
 
 
 def quant_constexprs(fp8: FP8Launch) -> dict:
