@@ -17,11 +17,14 @@ from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import FP8Launch, fp8_encode, fp8_encode_native, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
 
-from mm3_compile.contract import LOG2E, MX_BLOCK_SIZE
+from mm3_compile.contract import E8M0_BIAS, E8M0_MAX_FINITE, LOG2E, MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
 
 MX = tl.constexpr(MX_BLOCK_SIZE)  # values per E8M0 scale (a Triton global must be a constexpr instance)
 NEG_LOG2E = tl.constexpr(-LOG2E)
+SCALE_MAX = tl.constexpr(E8M0_MAX_FINITE)  # the largest scale byte emitted
+# 2^(E8M0_BIAS - sb) as fp32 bits has the exponent field FP32_BIAS + E8M0_BIAS - sb
+UNSCALE_FIELD = tl.constexpr(127 + E8M0_BIAS)
 
 
 @triton.jit
@@ -62,11 +65,11 @@ def _mx_quantize_tile(
     abits = amax.to(tl.int32, bitcast=True)
     # ceil(log2(amax / FP8_MAX)): exponent difference, plus one when amax's significand is larger.
     sb = (abits >> 23) - MAX_EXP + ((abits & 0x7FFFFF) > MAX_MANT).to(tl.int32)  # biased exponents: +127 cancels
-    sb = tl.where(amax == float("inf"), 254, tl.minimum(tl.maximum(sb, 0), 254))
+    sb = tl.where(amax == float("inf"), SCALE_MAX, tl.minimum(tl.maximum(sb, 0), SCALE_MAX))
     # 2^(127 - sb) as fp32 bits; sb = 254 (only an infinite amax) would need the subnormal 2^-127,
     # so use 2^-126 and an extra halving.
-    factor = ((254 - sb + (sb == 254).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
-    factor = tl.where(sb == 254, factor * 0.5, factor)
+    factor = ((UNSCALE_FIELD - sb + (sb == SCALE_MAX).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+    factor = tl.where(sb == SCALE_MAX, factor * 0.5, factor)
     scaled = tl.reshape(blocks * tl.reshape(factor, (BLOCK_M, NB, 1)), (BLOCK_M, BLOCK_K))
     if FP8_NATIVE_STORE != 0:
         codes = fp8_encode_native(scaled, v, FP8_NATIVE_STORE)  # signs from v: a NaN product may lose its sign
