@@ -60,6 +60,7 @@ def forget_logged_decisions() -> None:
     with _logged_lock:
         _logged_decisions.clear()
 
+
 # The four FP8 storage dtypes torch knows; the only table of them in the package.
 FP8_E4M3_OCP = torch.float8_e4m3fn
 FP8_E4M3_FNUZ = torch.float8_e4m3fnuz

@@ -229,7 +229,8 @@ def swiglu_oai_mxfp8_quant(
     units, align = _row_units(g2.stride(0))
     launch(
         _swiglu_oai_mxfp8_kernel, grid, g2, values, scales, M, I // MX_BLOCK_SIZE, units,
-        float(alpha), float(beta), float(limit if limit is not None else 0.0), HAS_LIMIT=limit is not None, ROW_ALIGN=align,
+        float(alpha), float(beta), float(limit if limit is not None else 0.0), HAS_LIMIT=limit is not None,
+        ROW_ALIGN=align,
         **tile, **quant_constexprs(fp8_launch(fmt, values)),
     )  # fmt: skip
     lead = gate_up.shape[:-1]

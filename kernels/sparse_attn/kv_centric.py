@@ -415,7 +415,8 @@ def sparse_attn_prefill_kv_centric(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
         G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
-        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(), **schedule.kernel_options(q.device, block_tok * block_h, prefill=True),
+        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(),
+        **schedule.kernel_options(q.device, block_tok * block_h, prefill=True),
     )  # fmt: skip
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(

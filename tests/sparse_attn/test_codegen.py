@@ -31,8 +31,9 @@ options = schedule.launch_options("nvidia" if target_name == "sm_90" else "amd",
                                   prefill=varlen == "1", fp8_decode=fmt is not None and decode_tile,
                                   bf16_decode_programs=1 if fmt is None and decode_tile else None)
 constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1", SPLIT=varlen != "1",
-                  SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"), FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
-                  PDL=target_name == "sm_90" and varlen != "1", **FP8Launch(fmt, native_load=native == "1").constexprs())
+                  SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"),
+                  FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=target_name == "sm_90" and varlen != "1",
+                  **FP8Launch(fmt, native_load=native == "1").constexprs())
 pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                 v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 
