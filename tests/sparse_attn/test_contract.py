@@ -1,4 +1,4 @@
-"""The attention ops' contract: invalid list entries, tokens outside requests, bad inputs, opcheck, platform round trips."""
+"""The attention ops' contract: invalid list entries, tokens outside requests, bad inputs, platform round trips."""
 
 import dataclasses
 
