@@ -98,6 +98,12 @@ def _kv_cache_write_kernel(
         tl.store(dst + D, v, mask=mask)
 
 
+def rows_per_program(interpreting: bool) -> int:
+    """``BLOCK_R``: (token, KV head) rows per program; the interpreter runs one numpy program at a time, so
+    few, large programs are fastest there."""
+    return 64 if interpreting else 16
+
+
 def kv_cache_write(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -126,8 +132,7 @@ def kv_cache_write(
     k_strides = tuple(k_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     v_strides = tuple(v_scale.stride()) if scale_mode == SCALE_PER_TOKEN_HEAD else (0, 0)
     num_rows = num_tokens * num_heads
-    # The interpreter runs one numpy program at a time: few, large programs are fastest there.
-    block_r = 64 if interpreting() else 16
+    block_r = rows_per_program(interpreting())
     fp8 = fp8_launch(fmt, target)  # the kernel always encodes with integer arithmetic (stores bytes)
     launch(
         _kv_cache_write_kernel, (triton.cdiv(num_rows, block_r),),

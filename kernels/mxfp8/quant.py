@@ -180,9 +180,12 @@ def _row_units(stride) -> tuple:
     return stride // align, align
 
 
-def _tile(K: int) -> dict:
-    # The interpreter runs one numpy program at a time: few, large programs are fastest there.
-    if interpreting():
+def quant_tile(K: int, interpreting: bool) -> dict:
+    """The quantizers' tile and warps for rows of ``K`` values: a pure function shared with the tests.
+
+    The interpreter runs one numpy program at a time: few, large programs are fastest there.
+    """
+    if interpreting:
         return dict(BLOCK_M=64, BLOCK_K=min(256, triton.next_power_of_2(K)), num_warps=4)
     # 4 x 1024 / 8 warps reaches the copy ceiling at large M; 8 x 256 / 4 warps wastes no columns when
     # K % 1024 != 0 (bench/NOTES.md).
@@ -203,7 +206,7 @@ def mxfp8_quantize(x: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch
     x2 = x.reshape(-1, K)  # [M, K]
     M = x2.shape[0]
     values, scales = _outputs(M, K, x.device)
-    tile = _tile(K)
+    tile = quant_tile(K, interpreting())
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(K, tile["BLOCK_K"]))
     units, align = _row_units(x2.stride(0))
     launch(
@@ -224,7 +227,7 @@ def swiglu_oai_mxfp8_quant(
     g2 = gate_up.reshape(-1, 2 * I)  # [M, 2I]
     M = g2.shape[0]
     values, scales = _outputs(M, I, gate_up.device)
-    tile = _tile(I)
+    tile = quant_tile(I, interpreting())
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(I, tile["BLOCK_K"]))
     units, align = _row_units(g2.stride(0))
     launch(
