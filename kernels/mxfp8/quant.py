@@ -68,7 +68,9 @@ def _mx_quantize_tile(
     sb = tl.where(amax == float("inf"), SCALE_MAX, tl.minimum(tl.maximum(sb, 0), SCALE_MAX))
     # 2^(127 - sb) as fp32 bits; sb = 254 (only an infinite amax) would need the subnormal 2^-127,
     # so use 2^-126 and an extra halving.
-    factor = ((UNSCALE_FIELD - sb + (sb == SCALE_MAX).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+    # (a constexpr global stays right of the tensor: the interpreter cannot put it on the left)
+    factor = ((sb == SCALE_MAX).to(tl.int32) - sb + UNSCALE_FIELD) << 23
+    factor = factor.to(tl.float32, bitcast=True)
     factor = tl.where(sb == SCALE_MAX, factor * 0.5, factor)
     scaled = tl.reshape(blocks * tl.reshape(factor, (BLOCK_M, NB, 1)), (BLOCK_M, BLOCK_K))
     if FP8_NATIVE_STORE != 0:
