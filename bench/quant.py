@@ -75,7 +75,7 @@ def run(ctx: Context, passes=("ours", "baselines")) -> None:
                     base,
                     name,
                     fns,
-                    lambda out: _compare(out, expected),
+                    lambda out, expected=expected: _compare(out, expected),
                     modes=("launched", "graph"),
                     nbytes=set_bytes,
                     ceiling_kind="copy",

@@ -16,7 +16,8 @@ import inspect
 
 import torch
 
-PAGE = 128
+from mm3_compile.contract import PAGE_SIZE
+
 ATOL, RTOL = 1.5e-2, 2e-2  # bf16 output vs a float64 reference
 
 
@@ -69,7 +70,7 @@ def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tenso
     req = inp.req.cpu()[tokens]
     table = s["block_table"].cpu()
     n = tokens.shape[0]
-    own = pos // PAGE
+    own = pos // PAGE_SIZE
     used = torch.arange(ids.shape[-1]) < torch.clamp(own + 1, max=ids.shape[-1])[:, None]
     valid = used & (ids >= 0) & (ids <= own[:, None])
     # Compact cache: only the pages the sampled lists select.
@@ -121,7 +122,7 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
     nb, Hkv = cache.shape[:2]
     G = Hq // Hkv
     slots = topk_idx.shape[-1]
-    own = pos // PAGE  # [t]
+    own = pos // PAGE_SIZE  # [t]
     ids = topk_idx.long()
     used = torch.arange(slots, device=q.device) < torch.clamp(own + 1, max=slots)[:, None]  # [t, slots]
     valid = used & (ids >= 0) & (ids <= own[:, None]) & (ids < block_table.shape[1])  # [Hkv, t, slots]
@@ -138,13 +139,13 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
     if k_scale is not None:
         k = k * k_scale.to(q.dtype)
         v = v * v_scale.to(q.dtype)
-    key_pos = ids[..., None] * PAGE + torch.arange(PAGE, device=q.device)  # [Hkv, t, slots, 128]
+    key_pos = ids[..., None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=q.device)  # [Hkv, t, slots, 128]
     visible = valid[..., None] & (key_pos <= pos[:, None, None]) & (key_pos < tok_seq[:, None, None])
-    k = k.reshape(Hkv, t, slots * PAGE, D)
-    v = v.reshape(Hkv, t, slots * PAGE, D)
+    k = k.reshape(Hkv, t, slots * PAGE_SIZE, D)
+    v = v.reshape(Hkv, t, slots * PAGE_SIZE, D)
     qh = q.view(t, Hkv, G, D).transpose(0, 1)  # [Hkv, t, G, D]
     logits = torch.matmul(qh, k.transpose(-1, -2)).float() * sm_scale  # [Hkv, t, G, keys]
-    logits = logits.masked_fill(~visible.reshape(Hkv, t, 1, slots * PAGE), float("-inf"))
+    logits = logits.masked_fill(~visible.reshape(Hkv, t, 1, slots * PAGE_SIZE), float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key is 0
     out = torch.matmul(probs.to(q.dtype), v)  # [Hkv, t, G, D]
     return out.transpose(0, 1).reshape(t, Hq, D)
@@ -152,7 +153,7 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
 
 def chunk_tokens(case, device) -> int:
     """Tokens per chunk so the gathered pages stay around 1 GiB (bf16) on the GPU."""
-    per_token = case.Hkv * case.topk * PAGE * 2 * case.D * 2 * 3  # gather + dequantised K/V copies
+    per_token = case.Hkv * case.topk * PAGE_SIZE * 2 * case.D * 2 * 3  # gather + dequantised K/V copies
     budget = (1 << 30) if device.type == "cuda" else (64 << 20)
     chunk = 1
     while chunk * 2 * per_token <= budget:

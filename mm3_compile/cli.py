@@ -295,13 +295,14 @@ def model_demo(args, device: str) -> list[dict[str, str]]:
     import torch
 
     from mm3_compile import platform
+    from mm3_compile.contract import PAGE_SIZE
     from mm3_compile.models import PagedKVRuntime, compare_with_reference, compile_model, run_demo_workload
     from mm3_compile.models.reference import ROUTE_SWAP_WINDOW
 
     demo = _demo_model(args, device)
     config, state, model = demo.config, demo.state, demo.model
     prompt_lens = [300, 140, 200, 260][: args.batch] + [128] * max(0, args.batch - 4)
-    max_blocks = (max(prompt_lens) + args.steps + 127) // 128 + 1
+    max_blocks = -(-(max(prompt_lens) + args.steps) // PAGE_SIZE) + 1
     runtime = PagedKVRuntime(
         model, num_blocks=args.batch * max_blocks, max_blocks_per_request=max_blocks, kv_cache_dtype=args.kv_cache_dtype
     )

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import mm3_compile  # noqa: F401  (registers torch.ops.mm3.*)
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models import (
     MiniMaxM3Config,
     PagedKVRuntime,
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     config = MiniMaxM3Config.preset(args.config)
-    blocks = (args.prompt + args.steps + 127) // 128 + 1
+    blocks = -(-(args.prompt + args.steps) // PAGE_SIZE) + 1
     state = random_full_state(config, seed=0, device=device)  # identical on every rank of a device type
 
     def runtime_for(model):

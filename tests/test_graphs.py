@@ -81,7 +81,7 @@ def test_static_buffer_decode_matches_the_runtime_path(device):
         for a, b in zip(got[2], want[2]):
             assert torch.equal(a.sort(-1).values, b.sort(-1).values)
     assert [len(t) for t in graphed_rt.block_tables] == [2, 1, 2]  # two requests crossed into a new page
-    for (kv_a, ix_a), (kv_b, ix_b) in zip(plain.caches, graphed_rt.caches):
+    for (kv_a, _), (kv_b, _) in zip(plain.caches, graphed_rt.caches):
         torch.testing.assert_close(kv_a.float(), kv_b.float(), rtol=0, atol=0.05)
     with pytest.raises(ValueError, match="input_ids: expected one token per running request"):
         graphed.step([1, 2])

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm3_compile import platform
-from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE, PAGE_SIZE  # noqa: F401 (PAGE_SIZE: runtime imports it from here)
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.tp import HeadShard, TPInfo
-from mm3_compile.ops._checks import values_checked
+from mm3_compile.ops import values_checked
 
 
 @dataclasses.dataclass

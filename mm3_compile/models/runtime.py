@@ -11,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from mm3_compile.lowerings import dynamic_shapes
-
-from mm3_compile import platform
+from mm3_compile import dynamic_shapes, platform
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models.layers import (
-    PAGE_SIZE,
     AttentionMetadata,
     MiniMaxM3ForCausalLM,
     check_uniform_decode,
