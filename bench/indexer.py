@@ -16,6 +16,7 @@ import torch
 from bench.harness import Check, Context
 from bench.inputs import PAGE, seeded
 from bench.refs import call_by_name, find_function, sample_tokens
+from mm3_compile import platform
 
 NAIVE = "mm3_compile.kernels.indexer.naive"
 DIDX = 128
@@ -31,6 +32,7 @@ class IndexCase:
     q_len: int
     seq_len: int
     topk: int = 16
+    index_dtype: str = "bf16"  # or "fp8": the dtype authority's e4m3 index-K cache (index_cache_dtype="fp8")
 
     @property
     def family(self) -> str:
@@ -39,14 +41,18 @@ class IndexCase:
     @property
     def shape(self) -> str:
         if self.q_len == 1:
-            return f"{self.tp} decode B{self.B} s{self.seq_len}"
+            return f"{self.tp} decode B{self.B} s{self.seq_len}" + (" fp8 index-K" if self.index_dtype == "fp8" else "")
         prefix = self.seq_len - self.q_len
         return f"{self.tp} prefill {self.B}x{self.q_len}" + (f" +{prefix // 1024}k prefix" if prefix else "")
 
 
 def cases(ctx: Context) -> list[IndexCase]:
     if not ctx.cuda:
-        return [IndexCase("tiny", 1, 2, 1, 600, topk=4), IndexCase("tiny", 2, 1, 160, 160, topk=2)]
+        return [
+            IndexCase("tiny", 1, 2, 1, 600, topk=4),
+            IndexCase("tiny", 2, 1, 160, 160, topk=2),
+            IndexCase("tiny", 2, 2, 1, 300, topk=2, index_dtype="fp8"),
+        ]
     out = [
         IndexCase("TP1", 4, 32, 1, 32768),
         IndexCase("TP1", 4, 1, 8192, 8192),
@@ -54,12 +60,16 @@ def cases(ctx: Context) -> list[IndexCase]:
         IndexCase("TP1", 4, 128, 1, 32768),
         IndexCase("TP1", 4, 1, 1, 32768),
         IndexCase("TP1", 4, 4, 2048, 18432),
+        IndexCase("TP1", 4, 32, 1, 32768, index_dtype="fp8"),
     ]
     return out[:2] if ctx.quick else out
 
 
 def _op(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk: int):
-    return torch.ops.mm3.index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, 0, LOCAL_BLOCKS)
+    spec = "auto" if index_k_cache.dtype == index_q.dtype else "fp8"
+    return torch.ops.mm3.index_topk(
+        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, 0, LOCAL_BLOCKS, spec
+    )
 
 
 def _torch_chunk(q, k_cache, block_table, pos, topk: int):
@@ -113,13 +123,17 @@ def make_inputs(case: IndexCase, ctx: Context) -> IndexInputs:
     page_bytes = PAGE * DIDX * 2
     pool = max(case.B * n_blocks, (1 << 30) // page_bytes if ctx.cuda else 0)
     k_cache = torch.randn((pool, PAGE, DIDX), dtype=torch.bfloat16, device=device, generator=gen)
+    if case.index_dtype == "fp8":  # N(0, 1) keys: inside the e4m3 range with scale 1 (the scalar rule's ranking)
+        k_cache = k_cache.to(platform.platform_for(device).kv_e4m3_dtype)
     T = case.B * case.q_len
     seq_lens = torch.full((case.B,), case.seq_len, dtype=torch.int32, device=device)
     cu = torch.arange(case.B + 1, dtype=torch.int32, device=device) * case.q_len
     pos = (torch.arange(case.q_len, device=device) + case.seq_len - case.q_len).repeat(case.B)
     visible = case.B * sum(range(case.seq_len - case.q_len + 1, case.seq_len + 1))  # keys j <= p per token
     flops = 2 * case.Hidx * DIDX * visible
-    nbytes = case.B * case.seq_len * DIDX * 2 + 2 * T * case.Hidx * DIDX + T * case.Hidx * case.topk * 4
+    nbytes = (
+        case.B * case.seq_len * DIDX * k_cache.element_size() + 2 * T * case.Hidx * DIDX + T * case.Hidx * case.topk * 4
+    )
     n_sets = 1 if not ctx.cuda else max(1, min(32, math.ceil(4 * ctx.l2_bytes / nbytes)))
 
     def one_set():
@@ -161,7 +175,9 @@ def run(ctx: Context, passes=("ours", "baselines")) -> None:
     expected = {}  # case shape -> (sampled tokens, naive lists)
     for pass_name in passes:
         for case in cases(ctx):
-            base = dict(family="indexer", shape=case.shape, dtype="bf16", kv_dtype="-")
+            base = dict(
+                family="indexer", shape=case.shape, dtype="bf16", kv_dtype="fp8" if case.index_dtype == "fp8" else "-"
+            )
             if ctx.budget.expired():
                 ctx.record(**base, provider=f"({pass_name})", mode="-", error="skipped: time budget")
                 continue

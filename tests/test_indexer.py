@@ -267,7 +267,11 @@ def test_gpu_launcher_traces_symbolically(device):
     args = make_inputs(SCENARIOS["prefill_ragged"], 2, 64, device)
     graph = make_fx(lambda *a: kernels.index_topk(*a, 4, 0, 1), tracing_mode="symbolic")(*args)
     code = graph.code
-    assert code.count("torch.ops.higher_order.triton_kernel_wrapper_mutation(") == 2 and "item" not in code and "tolist" not in code
+    assert (
+        code.count("torch.ops.higher_order.triton_kernel_wrapper_mutation(") == 2
+        and "item" not in code
+        and "tolist" not in code
+    )
     torch.testing.assert_close(graph(*args), torch.ops.mm3.index_topk(*args, 4, 0, 1), rtol=0, atol=0)
 
 
@@ -290,3 +294,116 @@ def test_compiled_caller_no_recompiles(device):
             args = make_inputs(requests, 2, 32, device, seed=seed)
             assert torch.equal(compiled(*args), select(*args))
     assert counter.frame_count == frames
+
+
+def test_forced_blocks_outrank_any_score(device):
+    """Forced blocks come first whatever the scores: a key of 2^100 (or +inf) elsewhere does not outrank them."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 300), (1, 700)], 1, 16, device, seed=5)
+    index_k = torch.zeros_like(index_k)
+    index_q = torch.zeros_like(index_q)
+    index_q[..., 0] = 1.0
+    index_k[block_table[0, 0].long(), 3, 0] = 2.0**100  # request 0: block 0 scores 2^100, own block 2 scores 0
+    index_k[block_table[1, 1].long(), 0, 0] = float("inf")  # request 1: block 1 scores +inf, own block 5
+    index_k[block_table[1, 3].long(), 0, 0] = 2.0**100
+    args = (index_q, index_k, block_table, cu, seq_lens)
+    assert check_exact(args, 1, 0, 1)[0, :, 0].tolist() == [2, 5]
+    assert check_exact(args, 3, 0, 1)[0].tolist() == [[2, 0, 1], [5, 1, 3]]
+    # init block 0 first, then the two local blocks in ascending order, then by score
+    assert check_exact(args, 4, 1, 2)[0].tolist() == [[0, 1, 2, -1], [0, 4, 5, 1]]
+
+
+def test_bf16_subnormals_widen_exactly(device):
+    """bf16 subnormal keys and queries rank by their exact values (the interpreter's own bf16 -> fp32
+    conversion maps 2^-133 to 0 and 3*2^-133 to 2^-127)."""
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 640), (1, 512)], 1, 16, device, seed=6)
+    tiny = 2.0**-133
+    index_k = torch.zeros_like(index_k)
+    index_q = torch.zeros_like(index_q)
+    index_q[0, 0, 0] = 1.0
+    for block, value in ((1, tiny), (2, 3 * tiny), (3, 2.0**-127)):  # request 0: 3 > 2 > 1 > 0 (block 0)
+        index_k[block_table[0, block].long(), 5, 0] = value
+    index_q[1, 0, 1] = tiny  # request 1: the query is subnormal
+    for block, value in ((0, 1.0), (1, 3.0), (2, 2.0)):
+        index_k[block_table[1, block].long(), 0, 1] = value
+    assert index_k.dtype == torch.bfloat16 and float(index_k[block_table[0, 1].long(), 5, 0]) == tiny
+    out = check_exact((index_q, index_k, block_table, cu, seq_lens), 5, 0, 1)
+    assert out[0].tolist() == [[4, 3, 2, 1, 0], [3, 1, 2, 0, -1]]
+
+
+SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n): every code path of both kernels
+    (1, 3, False, 1, 16),
+    (2, 2, True, 4, 128),
+    (4, 1, False, 16, 32),
+    (64, 5, True, 64, 16),
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_same_lists(schedule, device):
+    """Split keys, query tiles of every size, both dot orientations, register and rescanning top-k."""
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    block_t, chunks, keys_major, topk_rows, block_n = schedule
+    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4)
+    args = make_inputs([(3, 1000), (1, 0), (20, 200), (1, 2200)], 2, 32, device, seed=block_t)
+    cpu_args = [t.cpu() for t in args]
+    for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):
+        out = kernels.index_topk(*args, topk, init_blocks, local_blocks, schedule=sched)
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
+
+
+@pytest.mark.parametrize("target", [None, "gfx942"])
+def test_fp8_index_cache(target, device):
+    """An FP8 index cache (the authority's e4m3 flavour; gfx942: fnuz) ranks as its decoded values do.
+
+    Small integers are exact in e4m3, so the lists also equal the bf16 cache's; per-slot scales are
+    powers of two (exact products) and enter the reference as multiplied keys.
+    """
+    import contextlib
+
+    from mm3_compile import platform
+
+    with platform.emulate(target) if target else contextlib.nullcontext():
+        fp8 = platform.platform_for(device).kv_e4m3_dtype
+        index_q, index_k, block_table, cu, seq_lens = make_inputs([(3, 700), (1, 300), (1, 0)], 2, 32, device, seed=12)
+        k8 = index_k.to(fp8)
+        cpu = [t.cpu() for t in (index_q, k8, block_table, cu, seq_lens)]
+        out = torch.ops.mm3.index_topk(index_q, k8.view(torch.uint8), block_table, cu, seq_lens, 5, 0, 1, "fp8")
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 0, 1))
+        assert torch.equal(out, torch.ops.mm3.index_topk(index_q, index_k, block_table, cu, seq_lens, 5, 0, 1))
+        g = torch.Generator().manual_seed(3)
+        scale = 2.0 ** torch.randint(-3, 4, (index_k.shape[0] * PAGE,), generator=g).float()
+        out = torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 1, 1, "fp8", scale.to(device))
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 1, 1, index_k_scale=scale))
+        with pytest.raises(ValueError, match="index_k_scale: expected one scale per slot"):
+            torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1, "fp8", scale[:-1].to(device))
+        with pytest.raises(TypeError, match="index_k_cache: expected the dtype of index_q"):
+            torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1)
+        other = platform.FP8_E4M3_OCP if fp8 == platform.FP8_E4M3_FNUZ else platform.FP8_E4M3_FNUZ
+        with pytest.raises(TypeError, match="index_k_cache: index_cache_dtype='fp8' on platform"):
+            torch.ops.mm3.index_topk(index_q, index_k.to(other), block_table, cu, seq_lens, 5, 0, 1, "fp8")
+
+
+def test_fp8_index_cache_write_and_scale_rule(device):
+    """write_index_cache stores index_k / s in e4m3 (one scalar s per layer: sqrt(Didx) * max|1 + w| / FP8_MAX)."""
+    from mm3_compile import platform
+    from mm3_compile.models.config import MiniMaxM3Config
+    from mm3_compile.models.layers import M3Attention, write_index_cache
+    from mm3_compile.models.tp import TPInfo
+
+    cfg = MiniMaxM3Config.tiny()
+    attn = M3Attention(cfg, True, TPInfo(), torch.bfloat16, device)
+    attn.index_k_norm.weight.fill_(0.5)
+    fp8 = platform.platform_for(device).kv_e4m3_dtype
+    scale = attn.index_k_scale()
+    expected_scale = 1.5 * cfg.index_head_dim**0.5 / platform.fp8_format(fp8).max
+    assert scale.shape == (1,) and scale.dtype == torch.float32 and abs(scale.item() - expected_scale) < 1e-6
+    cache = torch.zeros(2, 1, PAGE, cfg.index_head_dim, dtype=fp8, device=device)
+    index_k = torch.randn(3, 1, cfg.index_head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 130], dtype=torch.int64)
+    write_index_cache(cache, index_k.to(device), slots.to(device), scale)
+    flat = cache.view(-1, cfg.index_head_dim).cpu()
+    want = (index_k.float() / scale.cpu()).to(fp8)[:, 0]
+    assert torch.equal(flat[5].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(flat[130].view(torch.uint8), want[2].view(torch.uint8))
+    assert int((flat.view(torch.uint8) != 0).any(-1).sum()) == 2  # the padding token wrote nothing

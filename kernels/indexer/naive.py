@@ -1,16 +1,20 @@
 """Pure-PyTorch reference for the lightning-indexer top-k, written from the contract (spec §4.1).
 
-Per request: gather the request's index-K pages, score every query against every key in float64,
-mask keys after the query's position, take the per-block max (NaN-propagating), apply NaN -> -1e30
-and the forced init (1e30) / local (1e29, wins) blocks, then a stable descending sort -- equal
-scores keep ascending block order -- and keep the first ``min(topk, nb(p))`` ids, -1 after.
+Per request: gather the request's index-K pages (FP8 caches decoded by torch's own conversion,
+times the optional per-slot key scale), score every query against every key in float64, mask keys
+after the query's position, take the per-block max (NaN-propagating) and apply NaN -> -1e30.  The
+order is then total: forced blocks first whatever their scores -- init blocks (``b < init_blocks``)
+before local ones (``b >= nb(p) - local_blocks``; a block that is both counts as local), each group
+in ascending block order -- then the other blocks by descending score, equal scores in ascending
+block order.  The first ``min(topk, nb(p))`` ids are kept, -1 after.
 """
 
 import torch
 
 from mm3_compile.contract import PAGE_SIZE
 
-INIT_SCORE, LOCAL_SCORE, NAN_SCORE = 1e30, 1e29, -1e30
+NAN_SCORE = -1e30
+INIT_CLASS, LOCAL_CLASS, FREE_CLASS = 2, 1, 0  # sort classes: forced init, forced local, by score
 
 
 def index_block_scores_ref(
@@ -19,9 +23,11 @@ def index_block_scores_ref(
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
+    index_k_scale: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per request: (positions [q_len] int64, raw block scores [Hidx, q_len, nblocks] float64).
 
+    ``index_k_scale``: optional per-slot key scales ``[num_blocks * 128]`` (keys are multiplied by them).
     Entries of blocks a query cannot see are -inf.
     """
     cu = cu_seqlens_q.tolist()
@@ -35,6 +41,9 @@ def index_block_scores_ref(
         n_blocks = -(-seq_len // PAGE_SIZE)
         pages = block_table[r, :n_blocks].long()
         keys = index_k_cache[pages].reshape(-1, head_dim).double()  # [n_blocks * 128, Didx]
+        if index_k_scale is not None:
+            slots = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()
+            keys = keys * index_k_scale[slots].double()[:, None]
         scores = torch.einsum("qhd,kd->hqk", q, keys)  # [Hidx, q_len, n_blocks * 128]
         key_pos = torch.arange(n_blocks * PAGE_SIZE)
         causal = key_pos[None, :] <= positions[:, None]  # [q_len, n_blocks * 128]
@@ -53,11 +62,13 @@ def index_topk_ref(
     topk: int = 16,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    index_k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """-> int32 [Hidx, total_q, topk] logical block ids, descending score, ties toward the lower id."""
+    """-> int32 [Hidx, total_q, topk] logical block ids: forced blocks first, then descending score,
+    ties toward the lower id."""
     total_q, num_heads = index_q.shape[:2]
     out = torch.full((num_heads, total_q, topk), -1, dtype=torch.int32)
-    per_request = index_block_scores_ref(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens)
+    per_request = index_block_scores_ref(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, index_k_scale)
     for start, (positions, block_scores) in zip(cu_seqlens_q.tolist(), per_request):
         for i, p in enumerate(positions.tolist()):
             nb = max(p // PAGE_SIZE + 1, 0)
@@ -66,9 +77,14 @@ def index_topk_ref(
             s = block_scores[:, i, :nb]  # [Hidx, nb]
             s = torch.where(torch.isnan(s), NAN_SCORE, s)
             blocks = torch.arange(nb)
-            s[:, blocks < init_blocks] = INIT_SCORE
-            s[:, blocks >= nb - local_blocks] = LOCAL_SCORE
-            order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # [Hidx, nb]
+            group = torch.full((nb,), FREE_CLASS)
+            group[blocks < init_blocks] = INIT_CLASS
+            group[blocks >= nb - local_blocks] = LOCAL_CLASS
+            # two stable sorts: by score (ties keep ascending ids; forced blocks all tie), then by class
+            s = torch.where(group > FREE_CLASS, 0.0, s)
+            by_score = torch.sort(s, dim=-1, descending=True, stable=True).indices  # [Hidx, nb]
+            by_class = torch.sort(group[by_score], dim=-1, descending=True, stable=True).indices
+            order = torch.gather(by_score, 1, by_class)
             keep = min(topk, nb)
             out[:, start + i, :keep] = order[:, :keep].to(torch.int32)
     return out

@@ -1,65 +1,224 @@
 """Lightning indexer: block scores of every query over its visible 128-token blocks, then top-k.
 
-Two kernels, both with shape-derived grids (nothing depends on the longest query or sequence):
+Two kernels, both with shape-derived grids (nothing depends on the longest query or sequence); the
+launch choices are :func:`index_schedule`, a pure function of shapes (their hints under tracing) and
+the device, shared by the launcher and the tests.
 
-1. ``_index_score_kernel``, grid ``(cdiv(total_q, BLOCK_Q) + num_reqs, max_blocks)``: a program
-   owns one query tile -- rows ``[i0, i0 + BLOCK_Q)`` of one request, found by a binary search
-   over the per-request tile counts -- and logical block ``b``.  Surplus tiles, and blocks lying
-   wholly after the tile's last query position, do nothing -- so the block table is only read
-   for blocks some query can see.  The index-K page ``[128, Didx]`` is loaded once and scored
-   against every index head:
-   ``S[h, t, b] = max_{j in b, j <= p(t)} <q_h(t), k(j)>`` (fp32 accumulation, no softmax scale).
-   A block with a NaN token score scores NaN (NaN-propagating max, like ``torch.amax``).  The
-   block-0 program of each tile also records the query's absolute position ``p`` for kernel 2.
-2. ``_index_topk_kernel``, grid ``(cdiv(total_q, BLOCK_T), Hidx)``: for each (token, head) row of
-   the ``nb(p) = p // 128 + 1`` visible scores it applies NaN -> -1e30, init blocks -> 1e30, local
-   blocks -> 1e29 (local wins), then selects by ``topk`` rounds of "largest key below the previous
-   one".  The key packs the order-preserving integer image of the fp32 score above
-   ``2^31 - 1 - block`` into an int64, so keys are distinct and equal scores rank the lower block
-   first: a total order, hence deterministic output.  Slots past ``min(topk, nb)`` get -1.
+1. ``_index_score_kernel``, grid ``(query tiles, chunks)``.  A query tile is ``BLOCK_T`` tokens of one
+   request with *all* their index heads: ``ROWS = next_pow2(max(16, BLOCK_T * Hidx))`` dot rows, row
+   ``r`` = (token ``r // Hidx``, head ``r % Hidx``).  Every index-K page is thus read once per tile for
+   all heads and tokens (a decode step reads each request's index-K exactly once).  ``BLOCK_T == 1``
+   maps tile = token (request by binary search over ``cu_seqlens_q``); otherwise tiles never straddle
+   requests and are found through ``tile_cu`` (cumulative ``cdiv(q_len, BLOCK_T)``); surplus tiles
+   exit.  The tile's visible blocks ``[0, nb_tile)`` are split evenly over the ``chunks`` programs of
+   the second grid axis (split-K for decode: a B1 step spreads its pages over many SMs).  Blocks fully
+   visible to every row skip the causal mask.  ``S[h, t, b] = max_{j in b, j <= p(t)} <q_h(t), k(j)>``
+   (fp32 accumulation, no softmax scale; NaN-propagating max, like ``torch.amax``), times the
+   per-slot key scale when one is given (FP8 caches).
+2. ``_index_topk_kernel``, grid ``cdiv(Hidx * total_q, ROWS_T)``: each (head, token) row finds its
+   request by binary search, takes its ``nb(p) = p // 128 + 1`` visible scores and selects ``topk``
+   by rounds of "largest remaining key".  A key packs an int32 rank above ``2^31 - 1 - block``
+   into an int64: the rank is the order-preserving integer image of the score (NaN -> -1e30,
+   -0 -> +0), or, for forced blocks, a value above the image of +inf (init blocks above local
+   ones; a block that is both counts as local).  Keys are distinct, so the order is total and the
+   output deterministic: forced blocks first whatever the scores, then descending score, ties to
+   the lower block id.  Rows of up to ``BLOCK_N`` visible blocks hold their keys in registers; longer
+   rows rescan their scores once per slot.  Slots past ``min(topk, nb)`` get -1.
 
-The score buffer ``[Hidx, total_q, max_blocks]`` fp32 (rows padded to 16) is only written (and read) for visible
-blocks.  Positions use ``p = seq_len - q_len + i``; rows with ``p < 0`` (padding requests with
-``seq_len = 0``) see no block and return all -1.
+The score buffer ``[Hidx, total_q, max_blocks]`` fp32 (rows padded to 16) is only written (and read)
+for visible blocks.  Positions use ``p = seq_len - q_len + i``; rows with ``p < 0`` (padding requests
+with ``seq_len = 0``) see no block and return all -1.
+
+Index-K may be bf16/fp16/fp32 (the dtype of ``index_q``) or FP8 (typed where Triton converts it in
+hardware, else raw bytes decoded exactly with integer arithmetic).  Under the interpreter bf16 is
+loaded as its 16 bits and widened exactly (Triton 3.9's interpreter mis-converts bf16 subnormals).
 """
+
+import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
+from mm3_compile.kernels._launch import empty_row_major, launch, size_hint
+from mm3_compile.kernels.fp8 import format_constants, fp8_decode
 
-from mm3_compile.kernels._launch import empty_row_major, launch
+from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.platform import interpreting
+from mm3_compile.platform import FP8Format, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance
-INIT_SCORE = tl.constexpr(1e30)
-LOCAL_SCORE = tl.constexpr(1e29)
 NAN_SCORE = tl.constexpr(-1e30)
+# Ranks of forced blocks: above the order-preserving image of +inf (0x7F800000), init above local.
+INIT_RANK = tl.constexpr(0x7FFFFFFE)
+LOCAL_RANK = tl.constexpr(0x7FFFFFFD)
+# How a kernel reads a tensor: as typed, as bf16 bits widened exactly, or as FP8 bytes decoded exactly.
+READ_TYPED, READ_BF16_BITS, READ_FP8_BYTES = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSchedule:
+    """Launch choices of :func:`index_topk`; any value gives the same lists (only speed differs).
+
+    block_t: query tokens per score tile (all their index heads share each page load).
+    chunks: programs sharing one tile's visible blocks.
+    score_warps / score_stages: launch options of the score kernel.
+    keys_major: compute ``K @ Q^T`` ([128, ROWS], keys as the MMA's M side) instead of ``Q @ K^T``.
+    topk_rows / topk_block_n / topk_warps: (head, token) rows per top-k program, blocks held in registers.
+    """
+
+    block_t: int
+    chunks: int
+    score_warps: int
+    score_stages: int
+    keys_major: bool
+    topk_rows: int
+    topk_block_n: int
+    topk_warps: int
+
+    def rows(self, num_heads: int) -> int:
+        return max(16, triton.next_power_of_2(self.block_t * num_heads))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.device) -> IndexSchedule:
+    """The schedule for these shapes on ``device`` (symbolic sizes are read through their hints).
+
+    Tiles take every token of a short request (decode, MTP) and up to 128 dot rows otherwise (a
+    page then feeds a 128-row MMA: prefill is compute-bound).  Chunks split the keys until there are
+    about four programs per SM.  The interpreter gets few, large programs (it runs one at a time).
+    """
+    tokens = max(size_hint(total_q) or 1, 1)
+    reqs = max(size_hint(num_reqs) or 1, 1)
+    blocks = max(size_hint(max_blocks) or 1, 1)
+    full_tile = max(1, 128 // num_heads)
+    block_t = min(triton.next_power_of_2(triton.cdiv(tokens, reqs)), full_tile)
+    if interpreting() or device.type != "cuda":
+        return IndexSchedule(block_t, 1, 4, 1, False, 64, 128, 4)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    tiles = tokens if block_t == 1 else triton.cdiv(tokens, block_t) + reqs
+    chunks = max(1, min(blocks, triton.cdiv(4 * sms, tiles)))
+    rows = max(16, triton.next_power_of_2(block_t * num_heads))
+    prefill = rows >= 64
+    # top-k: enough (head, token) rows per program to fill about two programs per SM, at most 16
+    per_program = max(1, min(16, tokens * num_heads // (2 * sms)))
+    topk_rows = 1 << (per_program.bit_length() - 1)
+    return IndexSchedule(
+        block_t=block_t,
+        chunks=chunks,
+        score_warps=8 if prefill else 4,
+        score_stages=2 if prefill else 3,
+        keys_major=False,
+        topk_rows=topk_rows,
+        topk_block_n=256,
+        topk_warps=4,
+    )
 
 
 @triton.jit
-def _find_request(tile_cu_ptr, num_reqs, tile):
-    """Largest r < num_reqs with tile_cu[r] <= tile (requests without query tiles are passed over)."""
+def _find_request(cu_ptr, num_reqs, x):
+    """Largest r < num_reqs with cu[r] <= x (entries that tie are passed over to the last one)."""
     lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: tile_cu[lo] <= tile < tile_cu[hi] (or hi = num_reqs)
+    hi = tl.full([], 0, tl.int32) + num_reqs  # invariant: cu[lo] <= x < cu[hi] (or hi = num_reqs)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        right = tl.load(tile_cu_ptr + mid) <= tile
+        right = tl.load(cu_ptr + mid) <= x
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     return lo
 
 
 @triton.jit
+def _widen(x, MODE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_FNUZ: tl.constexpr,
+           FP8_HAS_INF: tl.constexpr):  # fmt: skip
+    """A loaded tile as fp32 (exact): bf16 bits shifted into place, FP8 bytes decoded, else a cast."""
+    if MODE == 1:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif MODE == 2:
+        return fp8_decode(x, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _page_scores(
+    q,  # [ROWS, BLOCK_D] in the dot dtype
+    k_ptr,
+    k_scale_ptr,
+    page,
+    num_pages,
+    key0,  # first key position of the block
+    pos,  # [ROWS] query positions (used when MASKED)
+    stride_kb,
+    stride_kp,
+    MASKED: tl.constexpr,
+    DIDX: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_MODE: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
+):
+    """[ROWS] max over the page's (visible) keys of the row's dot product (NaN-propagating)."""
+    key_off = tl.arange(0, PAGE)
+    d = tl.arange(0, BLOCK_D)
+    # A corrupt table entry reads nothing.  (Vector mask: the interpreter mishandles scalar & tensor.)
+    row_page = key_off * 0 + page  # [128]
+    page_ok = (row_page >= 0) & (row_page < num_pages)
+    k_ptrs = k_ptr + page.to(tl.int64) * stride_kb + key_off[:, None] * stride_kp + d[None, :]
+    k_mask = page_ok[:, None] & (d < DIDX)[None, :]
+    if K_MODE == 0:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [128, BLOCK_D] typed (an int fill does not cast to FP8)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0)  # [128, BLOCK_D] bits or bytes
+    if FP32_DOT:
+        k = _widen(k, K_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+    elif K_MODE == 2:
+        k = fp8_decode(k, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF).to(q.dtype)  # exact in bf16/fp16
+    else:
+        k = k.to(q.dtype)  # typed FP8 -> bf16/fp16 is exact; a no-op otherwise
+    if KEYS_MAJOR:
+        if FP32_DOT:
+            s = tl.trans(tl.dot(k, tl.trans(q), input_precision="ieee"))
+        else:
+            s = tl.trans(tl.dot(k, tl.trans(q)))
+    else:
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [ROWS, 128]
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, 128] fp32 accumulation
+    if HAS_K_SCALE:
+        scale = tl.load(k_scale_ptr + page.to(tl.int64) * PAGE + key_off, mask=page_ok, other=0.0)
+        s = s * scale[None, :]
+    if MASKED:
+        key_pos = key_off + key0  # [128]
+        s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
+    return tl.reduce(s, 1, _nan_max)
+
+
+@triton.jit
 def _index_score_kernel(
     q_ptr,  # [total_q, Hidx, Didx]
     k_ptr,  # [num_pages, 128, Didx] index-K cache
+    k_scale_ptr,  # [num_pages * 128] fp32 per-slot key scales (read when HAS_K_SCALE)
     block_table_ptr,  # [num_reqs, max_blocks] int32
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
-    tile_cu_ptr,  # [num_reqs + 1] int32: first query tile of each request (cumulative cdiv(q_len, BLOCK_Q))
+    tile_cu_ptr,  # [num_reqs + 1] int32: first query tile of each request (read when BLOCK_T > 1)
     score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
-    pos_ptr,  # [total_q] int32 query positions (pre-filled with -1)
     num_reqs,
     total_q,
     num_pages,
@@ -73,61 +232,102 @@ def _index_score_kernel(
     HIDX: tl.constexpr,
     DIDX: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
+    Q_MODE: tl.constexpr,  # READ_TYPED or READ_BF16_BITS
+    K_MODE: tl.constexpr,  # READ_TYPED, READ_BF16_BITS or READ_FP8_BYTES
+    HAS_K_SCALE: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
+    KEYS_MAJOR: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_FNUZ: tl.constexpr,
+    FP8_HAS_INF: tl.constexpr,
 ):
     stride_st = score_row_units * 16
     stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
     tile = tl.program_id(0)
-    block = tl.program_id(1)
-    if tile < tl.load(tile_cu_ptr + num_reqs):  # surplus programs (and num_reqs = 0) read nothing
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    if BLOCK_T == 1:
+        tile_ok = tile < tl.load(cu_seqlens_ptr + num_reqs)
+        req = _find_request(cu_seqlens_ptr, num_reqs, tile)
+        i0 = tile - tl.load(cu_seqlens_ptr + req)
+    else:
+        tile_ok = tile < tl.load(tile_cu_ptr + num_reqs)
         req = _find_request(tile_cu_ptr, num_reqs, tile)
+        i0 = (tile - tl.load(tile_cu_ptr + req)) * BLOCK_T
+    if tile_ok:  # surplus programs (and num_reqs = 0) read nothing
         q_start = tl.load(cu_seqlens_ptr + req)
         q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-        i0 = (tile - tl.load(tile_cu_ptr + req)) * BLOCK_Q
         seq_len = tl.load(seq_lens_ptr + req)
-        i = i0 + tl.arange(0, BLOCK_Q)  # [BLOCK_Q] query index within the request
+        r = tl.arange(0, ROWS)
+        head = r % HIDX
+        i = i0 + r // HIDX  # [ROWS] query index within the request
         tokens = (q_start + i).to(tl.int64)
-        row_ok = (i < q_len) & (tokens < total_q)  # a cu_seqlens_q past total_q reads and writes nothing
-        pos = seq_len - q_len + i  # [BLOCK_Q] absolute query positions
-        if block == 0:
-            tl.store(pos_ptr + tokens, pos, mask=row_ok)
-        last_pos = seq_len - q_len + tl.minimum(i0 + BLOCK_Q, q_len) - 1
-        if block * PAGE <= last_pos:
-            page = tl.load(block_table_ptr + req.to(tl.int64) * stride_btr + block * stride_btb)
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < DIDX
-            key_off = tl.arange(0, PAGE)
-            # A corrupt table entry reads nothing.  (Vector mask: the interpreter mishandles scalar & tensor.)
-            row_page = key_off * 0 + page  # [128]
-            page_ok = (row_page >= 0) & (row_page < num_pages)
-            k_ptrs = k_ptr + page.to(tl.int64) * stride_kb + key_off[:, None] * stride_kp + d[None, :]
-            k_mask = page_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=k_mask, other=0.0)  # [128, BLOCK_D]
-            if FP32_DOT:
-                k = k.to(tl.float32)
-            visible = (block * PAGE + key_off)[None, :] <= pos[:, None]  # [BLOCK_Q, 128] causal
-            q_row_ptrs = q_ptr + tokens[:, None] * stride_qt + d[None, :]
-            s_ptrs = score_ptr + tokens * stride_st + block
-            store_ok = row_ok & (block * PAGE <= pos)
-            for h in tl.static_range(HIDX):
-                q = tl.load(q_row_ptrs + h * stride_qh, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                if FP32_DOT:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))  # [BLOCK_Q, 128] fp32 accumulation
-                is_nan = (s != s) & visible
-                best = tl.max(tl.where(visible & (s == s), s, float("-inf")), axis=1)
-                best = tl.where(tl.max(is_nan.to(tl.int32), axis=1) > 0, float("nan"), best)
-                tl.store(s_ptrs + h * stride_sh, best, mask=store_ok)
+        # a cu_seqlens_q past total_q reads and writes nothing
+        row_ok = (r < BLOCK_T * HIDX) & (i < q_len) & (tokens < total_q) & (tokens >= 0)
+        pos = seq_len - q_len + i  # [ROWS] absolute query positions
+        first_pos = seq_len - q_len + i0
+        last_pos = seq_len - q_len + tl.minimum(i0 + BLOCK_T, q_len) - 1
+        nb_tile = tl.where(last_pos >= 0, last_pos // PAGE + 1, 0)
+        per_chunk = tl.cdiv(nb_tile, n_chunks)
+        lo = chunk * per_chunk
+        hi = tl.minimum(lo + per_chunk, nb_tile)
+        full_end = tl.where(first_pos >= 0, (first_pos + 1) // PAGE, 0)  # blocks every row sees whole
+        d = tl.arange(0, BLOCK_D)
+        q_ptrs = q_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q_mask = row_ok[:, None] & (d < DIDX)[None, :]
+        if Q_MODE == 0:
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [ROWS, BLOCK_D]
+        else:
+            q = tl.load(q_ptrs, mask=q_mask, other=0)
+        if FP32_DOT:
+            q = _widen(q, Q_MODE, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF)
+        s_ptrs = score_ptr + head.to(tl.int64) * stride_sh + tokens * stride_st  # [ROWS]
+        bt_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
+        for b in range(lo, tl.minimum(hi, full_end)):
+            page = tl.load(bt_ptr + b * stride_btb)
+            best = _page_scores(
+                q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, False, DIDX, BLOCK_D,
+                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # fmt: skip
+            tl.store(s_ptrs + b, best, mask=row_ok)
+        for b in range(tl.maximum(lo, full_end), hi):
+            page = tl.load(bt_ptr + b * stride_btb)
+            best = _page_scores(
+                q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, True, DIDX, BLOCK_D,
+                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8_MANT, FP8_BIAS, FP8_FNUZ, FP8_HAS_INF,
+            )  # fmt: skip
+            tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
+
+
+@triton.jit
+def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N] int64 keys of blocks ``n0 + [0, BLOCK_N)`` (the lowest key where not visible)."""
+    blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    valid = blocks[None, :] < nb[:, None]  # [ROWS, BLOCK_N]
+    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=valid, other=0.0)
+    s = tl.where(s != s, NAN_SCORE, s)  # noqa: PLR0124 (the NaN test)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
+    bits = s.to(tl.int32, bitcast=True)
+    rank = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    rank = tl.where(blocks[None, :] < init_blocks, INIT_RANK, rank)
+    rank = tl.where(blocks[None, :] >= nb[:, None] - local_blocks, LOCAL_RANK, rank)  # local wins
+    keys = rank.to(tl.int64) * 4294967296 + (2147483647 - blocks).to(tl.int64)[None, :]
+    no_key = tl.full([1, BLOCK_N], -2147483648, tl.int64) * 4294967296
+    return tl.where(valid, keys, no_key)
 
 
 @triton.jit
 def _index_topk_kernel(
     score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
-    pos_ptr,  # [total_q] int32
+    cu_seqlens_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
     out_ptr,  # [Hidx, total_q, TOPK] int32
+    num_reqs,
     total_q,
+    num_rows,  # Hidx * total_q
     max_blocks,
     init_blocks,
     local_blocks,
@@ -135,43 +335,61 @@ def _index_topk_kernel(
     stride_oh,
     stride_ot,
     TOPK: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     stride_st = score_row_units * 16
-    stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
-    pid_t = tl.program_id(0)
-    head = tl.program_id(1)
-    tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    token_ok = tokens < total_q
-    tokens = tokens.to(tl.int64)
-    pos = tl.load(pos_ptr + tokens, mask=token_ok, other=-1)
-    num_visible = tl.minimum(tl.where(pos >= 0, pos // PAGE + 1, 0), max_blocks)  # [BLOCK_T] nb(p)
-    scan_end = tl.max(num_visible, axis=0)
-    row_ptrs = score_ptr + head * stride_sh + tokens * stride_st  # [BLOCK_T]
-    # Keys: (order-preserving int32 image of the score) * 2^32 + (2^31 - 1 - block).  A row's keys
-    # are distinct; NO_KEY is below every real key (the image of -inf is > INT32_MIN).
-    NO_KEY = tl.full([BLOCK_T], -2147483648, tl.int64) * 4294967296
-    previous = tl.full([BLOCK_T], 2147483647, tl.int64) * 4294967296  # above every real key
-    out_ptrs = out_ptr + head * stride_oh + tokens * stride_ot
-    for slot in range(TOPK):
-        best = NO_KEY
-        for n0 in range(0, scan_end, BLOCK_N):
-            blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            valid = blocks[None, :] < num_visible[:, None]  # [BLOCK_T, BLOCK_N]
-            s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=valid, other=0.0)
-            s = tl.where(s != s, NAN_SCORE, s)
-            s = tl.where(blocks[None, :] < init_blocks, INIT_SCORE, s)
-            s = tl.where(blocks[None, :] >= num_visible[:, None] - local_blocks, LOCAL_SCORE, s)
-            s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
-            bits = s.to(tl.int32, bitcast=True)
-            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            keys = ordered.to(tl.int64) * 4294967296 + (2147483647 - blocks).to(tl.int64)[None, :]
-            keys = tl.where(valid & (keys < previous[:, None]), keys, NO_KEY[:, None])
-            best = tl.maximum(best, tl.max(keys, axis=1))
-        ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
-        tl.store(out_ptrs + slot, ids.to(tl.int32), mask=token_ok)
-        previous = best
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] row = head * total_q + token
+    row_ok = rows < num_rows
+    rows = tl.where(row_ok, rows, 0)
+    head = rows // total_q
+    token = rows % total_q
+    # the token's request: largest r < num_reqs with cu[r] <= token (vector binary search)
+    lo = tl.zeros([ROWS], dtype=tl.int32)
+    hi = lo + num_reqs
+    while tl.max(hi - lo, axis=0) > 1:
+        active = hi - lo > 1
+        mid = (lo + hi) // 2
+        right = active & (tl.load(cu_seqlens_ptr + mid, mask=active, other=0) <= token)
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    has_req = row_ok & (lo < num_reqs)
+    q_start = tl.load(cu_seqlens_ptr + lo, mask=has_req, other=0)
+    q_end = tl.load(cu_seqlens_ptr + lo + 1, mask=has_req, other=0)
+    seq_len = tl.load(seq_lens_ptr + lo, mask=has_req, other=0)
+    in_req = has_req & (token >= q_start) & (token < q_end)
+    pos = seq_len - (q_end - q_start) + (token - q_start)
+    nb = tl.where(in_req & (pos >= 0), pos // PAGE + 1, 0)
+    nb = tl.minimum(nb, max_blocks)  # [ROWS] nb(p)
+    row_ptrs = score_ptr + rows.to(tl.int64) * stride_st  # [ROWS]
+    out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + token.to(tl.int64) * stride_ot
+    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
+    scan_end = tl.max(nb, axis=0)
+    if scan_end <= BLOCK_N:  # the row's keys stay in registers
+        keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N)
+        for slot in range(TOPK):
+            best = tl.max(keys, axis=1)
+            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
+            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
+            keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+    else:  # long rows: per slot, the largest key below the previous slot's
+        previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
+        for slot in range(TOPK):
+            best = NO_KEY
+            for n0 in range(0, scan_end, BLOCK_N):
+                keys = _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N)
+                keys = tl.where(keys < previous[:, None], keys, NO_KEY[:, None])
+                best = tl.maximum(best, tl.max(keys, axis=1))
+            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
+            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
+            previous = best
+
+
+def _read_mode(t: torch.Tensor, fp32_dot: bool) -> tuple[torch.Tensor, int]:
+    """The tensor as the kernel loads it: bf16 as int16 bits where the dot runs in fp32 (exact widening)."""
+    if fp32_dot and t.dtype == torch.bfloat16:
+        return t.view(torch.int16), READ_BF16_BITS
+    return t, READ_TYPED
 
 
 def index_topk(
@@ -183,40 +401,64 @@ def index_topk(
     topk: int,
     init_blocks: int,
     local_blocks: int,
+    k_format: FP8Format | None = None,
+    k_scale: torch.Tensor | None = None,
+    schedule: IndexSchedule | None = None,
 ) -> torch.Tensor:
-    """-> int32 [Hidx, total_q, topk]: logical block ids by descending score (ties: lower id), -1 padded."""
+    """-> int32 [Hidx, total_q, topk]: logical block ids, forced blocks first, then descending score
+    (ties: lower id), -1 padded.
+
+    ``k_format``: the FP8 format of a typed FP8 ``index_k_cache`` (None: the cache has index_q's dtype);
+    ``k_scale``: optional fp32 ``[num_blocks * 128]`` per-slot key scales; ``schedule``: launch choices
+    (default :func:`index_schedule`).
+    """
     total_q, num_heads, head_dim = index_q.shape
     num_reqs, max_blocks = block_table.shape
     device = index_q.device
+    if schedule is None:
+        schedule = index_schedule(total_q, num_reqs, num_heads, max_blocks, device)
     # Rows padded to 16 blocks and their length passed in units of 16: the top-k kernel's row loads stay
     # aligned (vectorised) also when Inductor launches it with a symbolic max_blocks, which gets no
     # divisibility specialisation there.
     score_row = triton.cdiv(max_blocks, 16) * 16
     scores = empty_row_major((num_heads, total_q, score_row), torch.float32, device)
-    positions = torch.full((total_q,), -1, dtype=torch.int32, device=device)
-    block_q = 64
-    # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_Q) <= cdiv(total_q, BLOCK_Q) + num_reqs
-    # bounds the grid by shapes alone (surplus programs exit at once).
-    # narrow by num_reqs, not [1:]/[:-1]: with size-oblivious symbolic sizes a slice's length would be a
-    # fresh unbacked symbol that Inductor cannot lower inside the traced op body.
-    q_lens = (cu_seqlens_q.narrow(0, 1, num_reqs) - cu_seqlens_q.narrow(0, 0, num_reqs)).clamp(min=0)  # [num_reqs]
-    tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_q - 1) // block_q, 0), (1, 0)).to(torch.int32)
+    fp32_dot = interpreting() or index_q.dtype == torch.float32
+    q_arg, q_mode = _read_mode(index_q, fp32_dot)
+    fp8 = {"FP8_MANT": 0, "FP8_BIAS": 0, "FP8_FNUZ": False, "FP8_HAS_INF": False}
+    if k_format is not None:
+        fp8 = format_constants(k_format)
+        fp8.pop("FP8_MAX")
+        native = platform.triton_native_fp8(k_format.dtype, device)
+        k_arg, k_mode = (index_k_cache, READ_TYPED) if native else (index_k_cache.view(torch.uint8), READ_FP8_BYTES)
+    else:
+        k_arg, k_mode = _read_mode(index_k_cache, fp32_dot)
+    block_t = schedule.block_t
+    if block_t == 1:
+        tile_cu, tiles = cu_seqlens_q, total_q  # tile = token
+    else:
+        # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs
+        # bounds the grid by shapes alone (surplus programs exit at once).
+        # narrow by num_reqs, not [1:]/[:-1]: with size-oblivious symbolic sizes a slice's length would be a
+        # fresh unbacked symbol that Inductor cannot lower inside the traced op body.
+        q_lens = (cu_seqlens_q.narrow(0, 1, num_reqs) - cu_seqlens_q.narrow(0, 0, num_reqs)).clamp(min=0)
+        tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_t - 1) // block_t, 0), (1, 0)).to(torch.int32)
+        tiles = triton.cdiv(total_q, block_t) + num_reqs
     launch(
-        _index_score_kernel, (triton.cdiv(total_q, block_q) + num_reqs, max_blocks),
-        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, tile_cu, scores, positions,
+        _index_score_kernel, (tiles, schedule.chunks),
+        q_arg, k_arg, k_scale if k_scale is not None else scores, block_table, cu_seqlens_q, seq_lens, tile_cu, scores,
         num_reqs, total_q, index_k_cache.shape[0],
         index_q.stride(0), index_q.stride(1), index_k_cache.stride(0), index_k_cache.stride(1),
         block_table.stride(0), block_table.stride(1), score_row // 16,
-        HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q,
-        FP32_DOT=interpreting() or index_q.dtype == torch.float32, num_warps=4,
+        HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=block_t,
+        ROWS=schedule.rows(num_heads), Q_MODE=q_mode, K_MODE=k_mode, HAS_K_SCALE=k_scale is not None,
+        FP32_DOT=fp32_dot, KEYS_MAJOR=schedule.keys_major, **fp8,
+        num_warps=schedule.score_warps, num_stages=schedule.score_stages,
     )  # fmt: skip
     out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
-    # The interpreter runs one numpy program at a time: few, large programs are fastest there.
-    block_t = 64 if interpreting() else 16
     launch(
-        _index_topk_kernel, (triton.cdiv(total_q, block_t), num_heads),
-        scores, positions, out, total_q, max_blocks, init_blocks, local_blocks, score_row // 16,
-        out.stride(0), out.stride(1),
-        TOPK=topk, BLOCK_T=block_t, BLOCK_N=128, num_warps=4,
+        _index_topk_kernel, (triton.cdiv(num_heads * total_q, schedule.topk_rows),),
+        scores, cu_seqlens_q, seq_lens, out, num_reqs, total_q, num_heads * total_q, max_blocks, init_blocks,
+        local_blocks, score_row // 16, out.stride(0), out.stride(1),
+        TOPK=topk, ROWS=schedule.topk_rows, BLOCK_N=schedule.topk_block_n, num_warps=schedule.topk_warps,
     )  # fmt: skip
     return out

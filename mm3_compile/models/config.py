@@ -32,6 +32,7 @@ class MiniMaxM3Config:
     sparse_local_blocks: int = 1
     num_index_heads: int = 4  # == num_key_value_heads (one index head per KV head), one shared index-K head
     index_head_dim: int = 128
+    index_cache_dtype: str = "auto"  # "auto" = model dtype; "fp8" = the authority's e4m3 (see write_index_cache)
 
     num_experts: int = 128
     num_experts_per_tok: int = 4

@@ -208,6 +208,17 @@ class M3Attention(nn.Module):
             self.index_q_norm = GemmaRMSNorm(Didx, eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(Didx, eps, dtype, device)
 
+    def index_k_scale(self, fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """fp32 [1]: the scalar FP8 scale of this layer's index-K, ``sqrt(Didx) * max|1 + w| / FP8_MAX``.
+
+        Index-K is Gemma-RMS-normed (``|x_i| / rms(x) <= sqrt(Didx)``, times ``1 + w_i``) then rotated in
+        pairs (which keeps each pair's norm), so ``|k_i| <= sqrt(Didx) * max|1 + w|``: no key saturates, and
+        e4m3's relative precision is the same across its normal range.
+        """
+        dtype = fp8_dtype if fp8_dtype is not None else platform.platform_for(self.qkv_weight.device).kv_e4m3_dtype
+        bound = (1.0 + self.index_k_norm.weight.float()).abs().amax() * math.sqrt(self.config.index_head_dim)
+        return (bound / platform.fp8_format(dtype).max).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
+
     @torch.no_grad()
     def load_full(self, state: dict, prefix: str) -> None:
         cfg, h = self.config, self.heads
@@ -252,10 +263,12 @@ class M3Attention(nn.Module):
         if self.sparse:
             index_q = norm_rope(parts[3], self.index_q_norm.weight, eps, cos, sin)  # [T, Hidx, Didx]
             index_k = norm_rope(parts[4], self.index_k_norm.weight, eps, cos, sin)  # [T, 1, Didx]
-            write_index_cache(index_cache, index_k, meta.slot_mapping)
+            fp8_index = platform.is_fp8(index_cache.dtype)
+            write_index_cache(index_cache, index_k, meta.slot_mapping, self.index_k_scale() if fp8_index else None)
             topk_idx = torch.ops.mm3.index_topk(
                 index_q, index_cache.squeeze(1), meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
                 cfg.sparse_topk_blocks, cfg.sparse_init_blocks, cfg.sparse_local_blocks,
+                "fp8" if fp8_index else "auto",
             )  # [Hkv, T, topk] int32  # fmt: skip
         else:
             # every block: the kernels clip query p to its p // 128 + 1 visible blocks -> exact causal attention
@@ -277,14 +290,22 @@ class M3Attention(nn.Module):
         return self.tp.all_reduce(out), topk_idx
 
 
-def write_index_cache(index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_index_cache(
+    index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None
+) -> None:
     """index_k [T, 1, Didx] -> index_cache [num_blocks, 1, 128, Didx] through ``mm3::kv_cache_write``.
 
     The op stores a row as [key | value]: the two halves of the index key are its "key" and "value"
     (one head of width Didx = 2 * Didx/2), so padding slots (< 0) are skipped the same way as in the KV cache.
+    An FP8 cache (typed in the authority's e4m3 flavour) stores ``index_k / k_scale`` with one scalar
+    ``k_scale`` per layer (:meth:`M3Attention.index_k_scale`); one positive scale for every key does not
+    change any ranking, so ``mm3::index_topk`` reads the stored values unscaled.
     """
     half = index_k.shape[-1] // 2
-    torch.ops.mm3.kv_cache_write(index_k[..., :half], index_k[..., half:], index_cache, slot_mapping, "auto")
+    spec = "fp8" if platform.is_fp8(index_cache.dtype) else "auto"
+    torch.ops.mm3.kv_cache_write(
+        index_k[..., :half], index_k[..., half:], index_cache, slot_mapping, spec, k_scale, k_scale
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

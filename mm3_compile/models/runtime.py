@@ -31,7 +31,8 @@ class PagedKVRuntime:
     * main cache per layer: ``[num_blocks, Hkv_local, 128, 2*D]`` in the dtype the authority resolves for
       ``kv_cache_dtype`` on the model's device, FP8 caches typed in the authority's flavour (so the ops
       refuse them where the authority answers another flavour, e.g. after switching emulation targets).
-    * index-K cache per sparse layer: ``[num_blocks, 1, 128, Didx]`` in the model dtype (one shared head).
+    * index-K cache per sparse layer: ``[num_blocks, 1, 128, Didx]`` (one shared head) in the dtype the authority
+      resolves for ``index_cache_dtype`` (default: the config's; "auto" = model dtype, "fp8" = its e4m3 flavour).
     Both caches of a layer use the same pages (one block table, one slot mapping).
     """
 
@@ -42,8 +43,11 @@ class PagedKVRuntime:
         max_blocks_per_request: int,
         kv_cache_dtype: str = "auto",
         seed: int = 0,
+        index_cache_dtype: str | None = None,
     ):
         cfg = model.config
+        self.index_cache_dtype = cfg.index_cache_dtype if index_cache_dtype is None else index_cache_dtype
+        index_dtype = platform.resolve_kv_cache_dtype(self.index_cache_dtype, model.device, model.dtype)
         self.model_dtype, self.device = model.dtype, model.device
         self.kv_cache_dtype = kv_cache_dtype
         self.storage_dtype = platform.resolve_kv_cache_dtype(kv_cache_dtype, self.device, model.dtype)
@@ -56,7 +60,7 @@ class PagedKVRuntime:
             index = None
             if layer.sparse:
                 index_shape = (num_blocks, 1, PAGE_SIZE, cfg.index_head_dim)
-                index = torch.zeros(index_shape, dtype=model.dtype, device=self.device)
+                index = torch.zeros(index_shape, dtype=index_dtype, device=self.device)
             self.caches.append((kv, index))
         self._rng = random.Random(seed)
         self.reset()
@@ -170,7 +174,8 @@ class PagedKVRuntime:
             torch.ops.mm3.kv_cache_write(k.contiguous(), v.contiguous(), kv, meta.slot_mapping, self.kv_cache_dtype)
             if index is not None:
                 ik = torch.cat([h["ik"] for h in per_request if h["ik"] is not None])
-                write_index_cache(index, ik.to(self.device, self.model_dtype)[:, None], meta.slot_mapping)
+                scale = layer.attn.index_k_scale(index.dtype) if platform.is_fp8(index.dtype) else None
+                write_index_cache(index, ik.to(self.device, self.model_dtype)[:, None], meta.slot_mapping, scale)
 
 
 @dataclasses.dataclass

@@ -5,10 +5,17 @@ Per query token (position ``p = seq_len - q_len + i`` in its request) and index 
 local blocks first, ties toward the lower block id, -1 padded.  Token -> request mapping and
 positions are computed on the device, so the output shape and the graph depend only on tensor
 shapes (no host syncs, no recompiles when query lengths vary).
+
+The index-K cache is in index_q's dtype (``index_cache_dtype="auto"``) or FP8 (``"fp8"``: the dtype
+authority's e4m3 flavour for the cache's device, typed or as uint8 bytes), optionally with per-slot key
+scales.  Without scales the FP8 values are ranked as stored: a cache written with one positive scalar
+scale per layer (the model's rule, see ``M3Attention``) ranks exactly as its dequantized keys would.
 """
 
 import torch
 
+from mm3_compile import platform
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.indexer import topk as kernels
 from mm3_compile.ops._checks import (
@@ -21,20 +28,56 @@ from mm3_compile.ops._checks import (
     check_tensor,
     values_checked,
 )
-from mm3_compile.contract import PAGE_SIZE
 
 MIN_INDEX_DIM, MAX_INDEX_DIM = 16, 256  # tl.dot needs K >= 16; one page tile stays in registers up to 256
 
 
-def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks):
+def _resolve_index_cache(index_q, index_k_cache, index_cache_dtype):
+    """(the cache as the kernel reads it, FP8 format or None) for ``index_cache_dtype``."""
+    if not isinstance(index_cache_dtype, str) or index_cache_dtype not in platform.KV_CACHE_SPECS:
+        raise ValueError(f"index_cache_dtype: expected one of {platform.KV_CACHE_SPECS}, got {index_cache_dtype!r}")
+    wanted = platform.resolve_kv_cache_dtype(index_cache_dtype, index_k_cache.device, index_q.dtype)
+    if not platform.is_fp8(wanted):
+        if wanted != index_q.dtype or index_k_cache.dtype != wanted:
+            raise TypeError(
+                f"index_k_cache: expected the dtype of index_q ({index_q.dtype}) for "
+                f"index_cache_dtype={index_cache_dtype!r}, got {index_k_cache.dtype}"
+            )
+        return index_k_cache, None
+    if index_k_cache.dtype == torch.uint8:
+        return index_k_cache.view(wanted), platform.fp8_format(wanted)
+    if index_k_cache.dtype != wanted:
+        target = platform.platform_for(index_k_cache.device).target
+        raise TypeError(
+            f"index_k_cache: index_cache_dtype={index_cache_dtype!r} on platform {target} stores {wanted}, got a "
+            f"{index_k_cache.dtype} cache; pass uint8 bytes or a {wanted} cache"
+        )
+    return index_k_cache, platform.fp8_format(wanted)
+
+
+def _check_index_topk(
+    index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
+    index_cache_dtype="auto", index_k_scale=None,
+):  # fmt: skip
+    """Validate every argument; returns (cache as the kernel reads it, FP8 format or None)."""
     check_tensor("index_q", index_q, dtypes=FLOAT_DTYPES, ndim=3)
     head_dim = index_q.shape[2]
     if not MIN_INDEX_DIM <= head_dim <= MAX_INDEX_DIM:
         raise ValueError(f"index_q: index head dim must be in [{MIN_INDEX_DIM}, {MAX_INDEX_DIM}], got {head_dim}")
     check_last_dim_contiguous("index_q", index_q)
     check_tensor("index_k_cache", index_k_cache, ndim=3)
-    if index_k_cache.dtype != index_q.dtype:
-        raise TypeError(f"index_k_cache: expected the dtype of index_q ({index_q.dtype}), got {index_k_cache.dtype}")
+    cache, fmt = _resolve_index_cache(index_q, index_k_cache, index_cache_dtype)
+    if index_k_scale is not None:
+        check_tensor("index_k_scale", index_k_scale, dtypes=(torch.float32,), ndim=1)
+        if index_k_scale.shape[0] != index_k_cache.shape[0] * PAGE_SIZE:
+            raise ValueError(
+                f"index_k_scale: expected one scale per slot, [num_blocks * {PAGE_SIZE}] = "
+                f"[{index_k_cache.shape[0] * PAGE_SIZE}], got {list(index_k_scale.shape)}"
+            )
+        if fmt is None:
+            raise ValueError(
+                "index_k_scale: key scales are only read from an FP8 index cache (index_cache_dtype='fp8')"
+            )
     if index_k_cache.shape[1] != PAGE_SIZE or index_k_cache.shape[2] != head_dim:
         raise ValueError(
             f"index_k_cache: expected shape [num_blocks, {PAGE_SIZE}, Didx={head_dim}], got {list(index_k_cache.shape)}"
@@ -62,6 +105,7 @@ def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_len
         block_table=block_table,
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
+        **({} if index_k_scale is None else {"index_k_scale": index_k_scale}),
     )
     if topk < 1:
         raise ValueError(f"topk: expected >= 1, got {topk}")
@@ -70,6 +114,7 @@ def _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_len
     if values_checked(block_table, cu_seqlens_q, seq_lens):
         q_lens = check_cu_seqlens_values(cu_seqlens_q, index_q.shape[0])
         check_request_values(block_table, seq_lens, q_lens, index_k_cache.shape[0])
+    return cache, fmt
 
 
 @torch.library.custom_op("mm3::index_topk", mutates_args=())
@@ -82,22 +127,36 @@ def index_topk(
     topk: int = 16,
     init_blocks: int = 0,
     local_blocks: int = 1,
+    index_cache_dtype: str = "auto",
+    index_k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """index_q [total_q, Hidx, Didx], index_k_cache [num_blocks, 128, Didx] -> int32 [Hidx, total_q, topk].
 
     block_table [num_reqs, max_blocks], cu_seqlens_q [num_reqs + 1], seq_lens [num_reqs] (KV length
     including this chunk), all int32.  Returned ids are logical block indices of the request
-    (map them through block_table); only the first ``p // 128 + 1`` table entries are read.
+    (map them through block_table); only the first ``p // 128 + 1`` table entries are read.  Order:
+    forced init blocks, forced local blocks, then descending block score (ties: lower id; NaN as -1e30).
+    ``index_cache_dtype``: ``"auto"`` (index_q's dtype) or an FP8 spec (``"fp8"``); ``index_k_scale``: optional
+    fp32 ``[num_blocks * 128]`` per-slot key scales of an FP8 cache.
     """
-    _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks)
+    cache, fmt = _check_index_topk(
+        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
+        index_cache_dtype, index_k_scale,
+    )  # fmt: skip
     require_kernel_device("index_q", index_q)
     with eager_launches():
         return kernels.index_topk(
-            index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks
+            index_q, cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks, fmt, index_k_scale
         )
 
 
 @index_topk.register_fake
-def _(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk=16, init_blocks=0, local_blocks=1):
-    _check_index_topk(index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks)
+def _(
+    index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk=16, init_blocks=0, local_blocks=1,
+    index_cache_dtype="auto", index_k_scale=None,
+):  # fmt: skip
+    _check_index_topk(
+        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
+        index_cache_dtype, index_k_scale,
+    )  # fmt: skip
     return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)
