@@ -46,7 +46,7 @@ def hbm_floor_bytes(model, batch: int, seq_len: int, kv_bytes: int = 2) -> int:
     pages attention visits (the top-k blocks of a sparse layer, the whole history of a dense one) and every
     index-K row the indexer scores."""
     from mm3_compile.contract import PAGE_SIZE
-    from mm3_compile.models.layers import RoutedExperts
+    from mm3_compile.models.moe import RoutedExperts
 
     cfg = model.config
     H, D, Didx, Hkv = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.num_key_value_heads

@@ -17,7 +17,7 @@ from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 from mm3_compile.models import MiniMaxM3Config, build_model, checkpoint, random_full_state
 from mm3_compile.models.checkpoint import CheckpointError, full_state_from_checkpoint, load_checkpoint
-from mm3_compile.models.layers import mxfp8_dequantize
+from mm3_compile.models.mxfp8 import mxfp8_dequantize
 from mm3_compile.models.reference import mx_quant_dequant
 from tests.release_checkpoint import hf_config, write_checkpoint
 

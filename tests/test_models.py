@@ -27,7 +27,8 @@ from mm3_compile.models import (
     random_full_state,
     run_demo_workload,
 )
-from mm3_compile.models.layers import mxfp8_dequantize, route
+from mm3_compile.models.moe import route
+from mm3_compile.models.mxfp8 import mxfp8_dequantize
 from mm3_compile.models.reference import (
     ROUTE_SWAP_WINDOW,
     ReferenceModel,
@@ -231,7 +232,10 @@ def test_eager_model_matches_reference_emulated_gfx942_fp8():
     """FNUZ platform: e4m3fnuz KV bytes and MXFP8 weights re-encoded by the authority, same numerics."""
     with platform.emulate("gfx942"):
         run = _run_chunk_then_decode("fp8", decode_steps=1)
-        assert run.runtime.storage_dtype == torch.float8_e4m3fnuz and run.runtime.caches[0][0].dtype == torch.float8_e4m3fnuz
+        assert (
+            run.runtime.storage_dtype == torch.float8_e4m3fnuz
+            and run.runtime.caches[0][0].dtype == torch.float8_e4m3fnuz
+        )
     with pytest.raises(TypeError, match="float8_e4m3fnuz"):  # read under OCP answers: refused, not reinterpreted
         run.decode(torch.zeros(2, dtype=torch.long), run.runtime.extend([1, 1]), run.runtime.caches)
 

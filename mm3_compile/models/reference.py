@@ -1,4 +1,4 @@
-"""Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with layers.py.
+"""Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with the op model.
 
 Dense fp32 math per request: explicit causal masks, a lightning indexer written as "score every key, max per
 block, sort", explicit top-k block masks, dequantized MXFP8 weights (attention projections, MLPs, experts; its own MXFP8 quantizer), contiguous

@@ -17,12 +17,8 @@ import torch
 
 from mm3_compile import dynamic_shapes, platform
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.models.layers import (
-    AttentionMetadata,
-    MiniMaxM3ForCausalLM,
-    check_uniform_decode,
-    write_index_cache,
-)
+from mm3_compile.models.attention import AttentionMetadata, check_uniform_decode, write_index_cache
+from mm3_compile.models.model import MiniMaxM3ForCausalLM
 
 
 class PagedKVRuntime:
