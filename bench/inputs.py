@@ -78,7 +78,7 @@ def decode_cases(cpu: bool, quick: bool) -> list[AttnCase]:
 
 
 def prefill_cases(cpu: bool, quick: bool) -> list[AttnCase]:
-    """The issue's shapes, then (full runs) our op on lists where runs of 64 tokens share their
+    """The target shapes, then (full runs) our op on lists where runs of 64 tokens share their
     older blocks -- what a tile-grouping kernel gains on correlated lists (informational rows)."""
     if cpu:
         return [

@@ -1,4 +1,4 @@
-"""One device round for the MoE kernels (issue #20): correctness at the real widths, schedule variants, the family.
+"""One device round for the MoE kernels: correctness at the real widths, schedule variants, the family.
 
 ``python bench/moe_probe.py [--cpu] [--budget-s 200] [--skip-family]``: (1) GEMM1 / GEMM2 / the linear vs the
 float64 references of ``kernels/moe/naive.py`` on the experts the routes picked; (2) CUDA-graph timings of the

@@ -1,4 +1,4 @@
-"""MiniMax-M3 text-backbone configuration (spec §1) and the presets the tests and the demo use."""
+"""MiniMax-M3 text-backbone configuration and the presets the tests and the demo use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mm3_compile.contract import MX_BLOCK_SIZE, PAGE_SIZE
 
 @dataclasses.dataclass(frozen=True)
 class MiniMaxM3Config:
-    """Model facts the layers need; defaults are the real MiniMax-M3 values (spec §1)."""
+    """Model facts the layers need; defaults are the real MiniMax-M3 values (the release's config.json)."""
 
     hidden_size: int = 6144
     num_hidden_layers: int = 60

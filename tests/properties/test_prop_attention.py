@@ -9,12 +9,12 @@ repeats, 10^6), table entries outside the cache (``MM3_VALIDATE=0``), both prefi
 magnitudes 2^-30..2^30 (the logits' scale bounded, below), zeros, NaN in q and fp16 subnormals.
 
 Open bugs excluded here (remove the exclusion when the fix merges):
-* issue #24 item 3 (prefill NaN for |max logit * sm_scale * log2 e| >= 2^30): the q and K exponents
+* prefill NaN for |max logit * sm_scale * log2 e| >= 2^30: the q and K exponents
   satisfy ``eq + ek <= MAX_LOGIT_EXP``.  (The bound 8 also keeps the fp32
   logit rounding, ~|logit| 2^-22, inside the tolerances; raise it to 30 only with a relative check.)
-* bf16 subnormal q/K/V (the attention kernels' bf16 loads, issue #24 item 1): flushed to zero in the
+* bf16 subnormal q/K/V (the attention kernels' bf16 loads): flushed to zero in the
   strategy for bf16 -- ``EXCLUDE_BF16_SUBNORMALS``.
-* issue #24 item 2 (concurrent decode calls from threads share arrival counters) is a threading bug:
+* concurrent decode calls from threads sharing arrival counters is a threading bug:
   these single-threaded properties do not reach it (its regression test belongs to the fix).
 """
 
@@ -44,8 +44,8 @@ from tests.properties.strategies import (
 pytestmark = device_mark()
 
 TOLERANCE = {torch.bfloat16: (2e-2, 1.5e-3), torch.float16: (2e-3, 1.5e-4)}  # (max, mean) abs / 2^ev
-EXCLUDE_BF16_SUBNORMALS = True  # issue #24 item 1, attention bf16 loads
-# issue #24 item 3 exclusion: eq + ek <= 8.  After the fix, add huge-logit cases (eq + ek up to 60) checked
+EXCLUDE_BF16_SUBNORMALS = True  # attention bf16 loads of subnormals
+# huge-logit exclusion: eq + ek <= 8.  After the fix, add huge-logit cases (eq + ek up to 60) checked
 # relatively: no NaN where the reference has none, every schedule equal to decode.
 MAX_LOGIT_EXP = 8
 EXPONENTS = {torch.bfloat16: (-30, 30), torch.float16: (-12, 10)}

@@ -7,9 +7,9 @@ requests straddle pages, padding requests (seq_len 0) and block tables with garb
 request's blocks are included; fp16 and fp32 inputs reach their subnormals.
 
 Open bugs excluded here (remove the exclusion when the fix merges):
-* issue #24 item 4 (forced blocks outranked by raw scores >= 1e29 or +inf): per-tensor exponents are
+* forced blocks outranked by raw scores >= 1e29 or +inf: per-tensor exponents are
   at most 2^30 (|score| <= 1152 * 2^60 < 1e29) and no +-Inf is planted -- ``EXCLUDE_HUGE_SCORES``.
-* bf16 subnormal inputs (the indexer's bf16 loads, issue #24 item 1): bf16 exponents stay >= 2^-30,
+* bf16 subnormal inputs (the indexer's bf16 loads): bf16 exponents stay >= 2^-30,
   so no bf16 subnormal occurs -- ``EXCLUDE_BF16_SUBNORMALS``.
 """
 
@@ -24,8 +24,8 @@ from tests.properties.strategies import FLOAT_DTYPES, SCALE, device_mark, exampl
 
 pytestmark = device_mark()
 
-EXCLUDE_HUGE_SCORES = True  # issue #24 item 4: set False (plant +-Inf, exponents to 2^60) after the fix
-EXCLUDE_BF16_SUBNORMALS = True  # issue #24 item 1 (indexer bf16 loads): set False after the fix
+EXCLUDE_HUGE_SCORES = True  # forced blocks vs huge raw scores: set False (plant +-Inf, exponents to 2^60) after the fix
+EXCLUDE_BF16_SUBNORMALS = True  # indexer bf16 loads of subnormals: set False after the fix
 # Exponent ranges per dtype: the integer mantissas (|m| <= 3) times 2^e stay finite, and reach the
 # subnormals of fp16 (2^-24) and fp32; bf16 subnormals need 2^-133.
 EXPONENTS = {

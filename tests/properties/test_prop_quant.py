@@ -6,7 +6,7 @@ exactly the MX rule, but its sigmoid is the platform's ``1 / (1 + exp(-x))`` (nu
 interpreter, ``ex2.approx`` on NVIDIA) while the reference uses torch's: the activations may differ
 by a few fp32 ulps, which changes an FP8 code (by one) only where the activation lies within
 ``MIDPOINT_TOLERANCE`` quanta of a rounding midpoint.  Measured: at most 9.5e-7 quanta on the
-interpreter (262,144 fp16-subnormal activations), 1.5e-6 in the issue #24 fuzz; the scales are
+interpreter (262,144 fp16-subnormal activations), 1.5e-6 in a longer fuzz run; the scales are
 always equal.
 """
 
