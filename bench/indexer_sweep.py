@@ -22,14 +22,13 @@ from bench.run import _prepare_environment
 
 _prepare_environment(cpu=False)  # an uninstalled checkout: map mm3_compile.kernels onto kernels/
 
-from mm3_compile.kernels.indexer import topk as kernels
-from mm3_compile.kernels.indexer.naive import index_topk_ref
-
 from bench.indexer import IndexCase
 from bench.refs import sample_tokens
 from bench.timing import Timer
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.indexer import topk as kernels
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 
 DIDX = 128
 SHAPES = [

@@ -13,10 +13,10 @@ always equal.
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.properties.strategies import (
     DEVICE,
     FLOAT_DTYPES,
