@@ -129,7 +129,18 @@ class MiniMaxM3Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
-        """The config of a checkpoint directory (its ``config.json``, VL or text-only form)."""
+        """The config of a checkpoint directory (its ``config.json``, VL or text-only form).
+
+        Args:
+            path: a checkpoint directory holding ``config.json``, or the path of the json file itself.
+
+        Returns:
+            The text model's :class:`MiniMaxM3Config` (see :meth:`from_hf_config` for what is refused).
+
+        Examples:
+            >>> config = MiniMaxM3Config.from_pretrained("/models/MiniMax-M3-MXFP8")  # doctest: +SKIP
+            >>> config.num_hidden_layers, config.num_experts  # doctest: +SKIP
+        """
         file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"path: expected a checkpoint directory with config.json, got {os.fspath(path)!r}")

@@ -109,7 +109,23 @@ def build_model(
     group=None,
     state: dict | None = None,
 ) -> MiniMaxM3ForCausalLM:
-    """A seeded random model (this rank's shard when ``group`` is a TP process group)."""
+    """A seeded random model (this rank's shard when ``group`` is a TP process group).
+
+    Args:
+        config: the model's shape (``MiniMaxM3Config.tiny()`` on a CPU, ``.m3_1layer()``, ``.from_pretrained``).
+        seed: seeds :func:`~mm3_compile.models.weights.random_full_state` (ignored with ``state``).
+        device, dtype: where the model lives and its activation dtype (MXFP8 weights are quantized here).
+        group: a ``torch.distributed`` process group for tensor parallelism (``None``: one rank).
+        state: full (unsharded) weights under ``random_full_state``'s names, instead of random ones.
+
+    Returns:
+        The model in eval mode: ``prefill`` / ``decode(input_ids [T], meta, caches)`` give
+        ``(logits [T, vocab] fp32, hiddens, topk)``.
+
+    Examples:
+        >>> model = build_model(MiniMaxM3Config.tiny(), seed=0, device="cpu")
+        >>> runtime = PagedKVRuntime(model, num_blocks=16, max_blocks_per_request=4)
+    """
     device = torch.device(device)
     model = MiniMaxM3ForCausalLM(config, TPInfo.from_group(group), dtype, device)
     model.load_full(state if state is not None else random_full_state(config, seed, dtype, device))
