@@ -15,11 +15,11 @@ import torch
 
 from bench.harness import Check, Context
 from bench.inputs import seeded
-from bench.refs import call_by_name, find_function, sample_tokens
+from bench.refs import sample_tokens
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 
-NAIVE = "mm3_compile.kernels.indexer.naive"
 DIDX = 128
 LOCAL_BLOCKS = 1
 MATCH_NEEDED = 0.98  # float64 reference vs fp32 accumulation: near-equal block scores may swap
@@ -148,7 +148,6 @@ def make_inputs(case: IndexCase, ctx: Context) -> IndexInputs:
 def naive_on_sample(inp: IndexInputs, tokens: torch.Tensor) -> torch.Tensor:
     """int32 [Hidx, n, topk] from the naive reference: each sampled token as a one-token request
     with ``seq_len = p + 1`` over a compact cache of its request's visible pages."""
-    ref = find_function(NAIVE, ("index_topk_ref",), ("topk", "ref"))
     s = inp.sets[0]
     case = inp.case
     pos = inp.pos.cpu()[tokens]
@@ -158,8 +157,7 @@ def naive_on_sample(inp: IndexInputs, tokens: torch.Tensor) -> torch.Tensor:
     compact = inp.k_cache[pages.flatten().to(inp.k_cache.device)].cpu()  # [n * width, 128, Didx]
     table = torch.arange(pages.numel(), dtype=torch.int32).view(pages.shape)
     n = tokens.shape[0]
-    return call_by_name(
-        ref,
+    return index_topk_ref(
         index_q=s["q"][tokens.to(s["q"].device)].cpu(),
         index_k_cache=compact,
         block_table=table,

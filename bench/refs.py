@@ -1,7 +1,7 @@
 """References the benchmark checks every provider against, and the vectorised PyTorch provider.
 
-* ``naive_attention``: the repo's pure-PyTorch reference (``kernels/sparse_attn/naive.py``), found
-  by name and called by keyword so a renamed or reordered signature still works.  It loops over
+* ``naive_attention_on_sample``: the repo's pure-PyTorch reference (``kernels/sparse_attn/naive.py``'s
+  ``sparse_attn_ref``, imported by name: a renamed reference fails the bench's import).  It loops over
   (token, KV head) in float64 on the CPU, so it is run on a sample of query tokens: each sampled
   token becomes a one-token request with ``seq_len = p + 1`` (the same visible keys) over a compact
   cache holding only the pages its top-k list selects.
@@ -11,44 +11,12 @@
   chunked over tokens to bound memory.
 """
 
-import importlib
-import inspect
-
 import torch
 
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_ref
 
 ATOL, RTOL = 1.5e-2, 2e-2  # bf16 output vs a float64 reference
-
-
-def find_function(module_name: str, preferred: tuple[str, ...], must_contain: tuple[str, ...] = ("ref",), avoid=()):
-    """The reference function of a naive.py, robust to its name: preferred names first, else the
-    only public function whose name contains all of ``must_contain`` and none of ``avoid``."""
-    module = importlib.import_module(module_name)
-    for name in preferred:
-        if callable(getattr(module, name, None)):
-            return getattr(module, name)
-    found = [
-        f
-        for n, f in vars(module).items()
-        if inspect.isfunction(f)
-        and f.__module__ == module.__name__
-        and not n.startswith("_")
-        and all(m in n for m in must_contain)
-        and not any(a in n for a in avoid)
-    ]
-    if len(found) != 1:
-        raise LookupError(f"{module_name}: no unique reference among {[f.__name__ for f in found]} for {preferred}")
-    return found[0]
-
-
-def call_by_name(fn, **available):
-    """Call ``fn`` with the arguments its signature names (so renamed positions do not matter)."""
-    params = inspect.signature(fn).parameters
-    missing = [n for n, p in params.items() if n not in available and p.default is inspect.Parameter.empty]
-    if missing:
-        raise TypeError(f"{fn.__module__}.{fn.__name__}: cannot supply arguments {missing}")
-    return fn(**{n: v for n, v in available.items() if n in params})
 
 
 def sample_tokens(T: int, n: int, gen_seed: int = 0) -> torch.Tensor:
@@ -62,9 +30,6 @@ def sample_tokens(T: int, n: int, gen_seed: int = 0) -> torch.Tensor:
 
 def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tensor:
     """float32 [n, Hq, D] (CPU) from the repo's naive reference for the sampled tokens of set ``s``."""
-    ref = find_function(
-        "mm3_compile.kernels.sparse_attn.naive", ("sparse_attn_ref", "sparse_attn_prefill_ref"), ("ref",), ("decode",)
-    )
     ids = s["topk_idx"][:, tokens.to(s["topk_idx"].device)].long().cpu()  # [Hkv, n, T]
     pos = inp.pos.cpu()[tokens]
     req = inp.req.cpu()[tokens]
@@ -91,8 +56,7 @@ def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tenso
     k_scale = None if inp.k_scale is None else inp.k_scale.cpu()
     v_scale = None if inp.v_scale is None else inp.v_scale.cpu()
     return (
-        call_by_name(
-            ref,
+        sparse_attn_ref(
             q=s["q"][tokens.to(s["q"].device)].cpu(),
             kv_cache=compact,
             topk_idx=ids.to(torch.int32),
