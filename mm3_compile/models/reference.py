@@ -8,7 +8,7 @@ It models the network *as deployed in a model dtype*: values are rounded to the 
 op model stores a tensor (linear outputs, norm/RoPE outputs, attention output, residual stream, GEMM1 output)
 and K/V are rounded to the KV-cache storage dtype (FP8 with saturation for FP8 caches), while every
 operation in between is fp32.  So the op model and the reference see the same quantization points and differ
-only by accumulation order and the attention kernel's bf16 P (tolerances in tests/test_models.py).
+only by accumulation order and the attention kernel's bf16 P (tolerances in tests/models/test_models.py).
 
 Teacher forcing: ``step(..., forced=hiddens)`` feeds each sub-block (attention, MLP/MoE) the op model's
 input to that sub-block, so a sub-block is compared on identical inputs (a near-tie in routing or block
