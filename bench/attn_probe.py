@@ -14,7 +14,10 @@ writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
 
 import argparse
 import os
+import sys
 import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `bench` from the checkout
 
 import torch
 import triton

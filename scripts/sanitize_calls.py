@@ -135,6 +135,16 @@ def _():
         torch.ops.mm3.index_topk(*args, 4, 1, 1)
 
 
+@call("index_topk: FP8 index-K cache (uint8 bytes), per-slot scales, junk tables")
+def _():
+    q, cache, table, cu, seq = _index_args([700, 1, 0], [3, 1, 0], heads=4, dim=128)
+    fp8 = platform.platform_for(DEV).kv_e4m3_dtype
+    cache8 = cache.float().clamp(-200, 200).to(fp8).view(torch.uint8)
+    torch.ops.mm3.index_topk(q, cache8, table, cu, seq, 16, 1, 1, "fp8")
+    scale = torch.rand(cache.shape[0] * PAGE_SIZE, device=DEV) + 0.5
+    torch.ops.mm3.index_topk(q, cache8, table, cu, seq, 16, 0, 1, "fp8", scale)
+
+
 @call("index_topk: long context (64k tokens), many tokens")
 def _():
     torch.ops.mm3.index_topk(*_index_args([65536, 300], [1, 300], heads=4, dim=128), 64, 1, 1)
@@ -196,6 +206,42 @@ def _():
 def _():
     q, cache, topk, table, _, seq = _attn_args([2000] * 256, [1] * 256, Hkv=1, G=8, T=16)
     torch.ops.mm3.sparse_attn_decode(q, cache, topk, table, seq, 128**-0.5)
+
+
+# ---- MoE ops: mm3::moe_align / mm3::mxfp8_grouped_gemm / mm3::mxfp8_linear / mm3::moe_experts ------------
+def _mx_weight(*shape):
+    values, scales = torch.ops.mm3.mxfp8_quantize(randn(*shape, scale=0.05))
+    return values, scales.view(torch.uint8)
+
+
+@call("moe_experts: 1 token, all rows on one expert, experts without rows, 19 tokens, NaN rows, real widths")
+def _():
+    E, H, I = 8, 256, 128
+    w1, w2 = _mx_weight(E, 2 * I, H), _mx_weight(E, H, I)
+    for T, k, one_expert in ((1, 2, False), (19, 2, True), (37, 4, False)):
+        ids = torch.argsort(torch.rand(T, E, device=DEV), dim=-1)[:, :k]  # distinct experts per token
+        if one_expert:
+            ids[:, 0] = 0  # every token's first slot on expert 0
+        x = randn(T, H)
+        x[0, 0] = float("nan")
+        weights = torch.rand(T, k, device=DEV)
+        torch.ops.mm3.moe_experts(x, ids, weights, *w1, *w2)
+    E, H, I = 128, 6144, 3072  # the real widths, decode and a prefill tile
+    w1, w2 = _mx_weight(E, 2 * I, H), _mx_weight(E, H, I)
+    for T in (1, 32, 300):
+        ids = torch.argsort(torch.rand(T, E, device=DEV), dim=-1)[:, :4]
+        torch.ops.mm3.moe_experts(randn(T, H), ids, torch.rand(T, 4, device=DEV), *w1, *w2)
+
+
+@call("mxfp8_linear: 1 and 300 rows, bf16 and MXFP8 activations, N 16, K 32")
+def _():
+    for n, k in ((16, 32), (6144, 6144), (48, 1056)):
+        w = _mx_weight(n, k)
+        for rows in (1, 300):
+            x = randn(rows, k)
+            torch.ops.mm3.mxfp8_linear(x, *w)
+            xv, xs = torch.ops.mm3.mxfp8_quantize(x)
+            torch.ops.mm3.mxfp8_linear(xv, *w, xs.view(torch.uint8))
 
 
 def main() -> int:

@@ -57,10 +57,13 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, 
         return dataclasses.replace(INTERPRETER, BLOCK_N=min(64, max(16, triton.next_power_of_2(n))))
     rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
     if rows_per_expert is not None and rows_per_expert >= 64:
-        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+    # 64 columns per program streamed the weights fastest at 1 and 32 tokens (wider tiles leave too few
+    # loads in flight per SM, narrower ones re-read the rows' activations): narrower only for a grid
+    # that would not give every SM a program
     active = num_experts if rows is None else min(num_experts, rows)
-    block_n = 128
-    while block_n > 16 and active * triton.cdiv(n, block_n) < 4 * sm_count:
+    block_n = 64
+    while block_n > 16 and active * triton.cdiv(n, block_n) < sm_count:
         block_n //= 2
     return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4)
 

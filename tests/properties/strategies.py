@@ -73,12 +73,6 @@ def fp8_format(target: str, spec: str, model_dtype: torch.dtype):
     return platform.fp8_format(platform.resolve_kv_cache_dtype(spec, "cpu", model_dtype))
 
 
-def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
-    """Nonzero magnitudes below the dtype's smallest normal -> 0 (for exclusions named where used)."""
-    tiny = torch.finfo(x.dtype).smallest_normal
-    return torch.where((x.abs() < tiny) & (x != 0), torch.zeros_like(x), x)
-
-
 # Where the ops run: the interpreter on CPU tensors (CI), or CUDA (``bash scripts/gpu_check.sh props``) with
 # shapes MM3_PROPS_SCALE times larger.  References always run on the CPU copies.
 DEVICE = torch.device(os.environ.get("MM3_PROPS_DEVICE", "cpu"))

@@ -4,13 +4,8 @@ Inputs are small integers times one power of two per tensor: every dot product i
 whatever the summation order, so scores tie exactly and often and the lists (order included, ties
 toward the lower block id, NaN last, forced blocks first) must equal the reference's.  Ragged
 requests straddle pages, padding requests (seq_len 0) and block tables with garbage past each
-request's blocks are included; fp16 and fp32 inputs reach their subnormals.
-
-Open bugs excluded here (remove the exclusion when the fix merges):
-* forced blocks outranked by raw scores >= 1e29 or +inf: per-tensor exponents are
-  at most 2^30 (|score| <= 1152 * 2^60 < 1e29) and no +-Inf is planted -- ``EXCLUDE_HUGE_SCORES``.
-* bf16 subnormal inputs (the indexer's bf16 loads): bf16 exponents stay >= 2^-30,
-  so no bf16 subnormal occurs -- ``EXCLUDE_BF16_SUBNORMALS``.
+request's blocks are included; every input dtype reaches its subnormals, and fp32 inputs reach 2^60
+(raw block scores past 1e29, which must still rank below the forced blocks).
 """
 
 import pytest
@@ -24,14 +19,12 @@ from tests.properties.strategies import FLOAT_DTYPES, SCALE, device_mark, exampl
 
 pytestmark = device_mark()
 
-EXCLUDE_HUGE_SCORES = True  # forced blocks vs huge raw scores: set False (plant +-Inf, exponents to 2^60) after the fix
-EXCLUDE_BF16_SUBNORMALS = True  # indexer bf16 loads of subnormals: set False after the fix
 # Exponent ranges per dtype: the integer mantissas (|m| <= 3) times 2^e stay finite, and reach the
-# subnormals of fp16 (2^-24) and fp32; bf16 subnormals need 2^-133.
+# subnormals of fp16 (2^-24), bf16 (2^-133) and fp32; fp32 scores reach 1152 * 2^120 > 1e29.
 EXPONENTS = {
-    torch.float32: (-140, 30),
+    torch.float32: (-140, 60),
     torch.float16: (-24, 13),
-    torch.bfloat16: (-30 if EXCLUDE_BF16_SUBNORMALS else -133, 30),
+    torch.bfloat16: (-133, 30),
 }
 
 
@@ -54,8 +47,6 @@ def scaled_integers(draw, shape, dtype, g, partner_exp=None):
     """-> (tensor, its exponent).  With ``partner_exp`` the products stay fp32-normal (>= 2^-120): scores are
     fp32 by contract, a float64 reference would not underflow where they do."""
     lo, hi = EXPONENTS[dtype]
-    if dtype == torch.float32 and not EXCLUDE_HUGE_SCORES:
-        hi = 60
     if partner_exp is not None:
         lo = max(lo, -120 - partner_exp)
     e = draw(st.integers(lo, hi))

@@ -114,7 +114,7 @@ def test_swiglu_oai_mxfp8_matches_reference(target, dtype, shape, alpha, beta, l
 @settings(max_examples=examples(6))
 @given(target=targets(), data=st.data())
 def test_swiglu_fp16_subnormal_activations(target, data):
-    """Issue #24 minor item: fp16-subnormal gate/up (|x| ~ 1e-6) give activations with few significant bits,
+    """fp16-subnormal gate/up (|x| ~ 1e-6) give activations with few significant bits,
     often next to an FP8 midpoint: the flips stay within MIDPOINT_TOLERANCE."""
     rows = data.draw(st.integers(1, 64 * SCALE))
     seed = data.draw(st.integers(0, 2**31 - 1))
