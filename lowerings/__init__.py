@@ -17,6 +17,8 @@ from mm3_compile.lowerings.fusion import Mm3PostGradPass, fusion_installed
 
 log = logging.getLogger("mm3_compile")
 
+__all__ = ["SUPPORTED_TORCH", "compile_options", "dynamic_shapes", "install", "supported", "torch_version"]
+
 # torch 2.11 (GPU machine) and 2.13 (CI) are exercised; 2.12-2.15 share the same internals
 # (CustomOpDef.register_torch_dispatch, export's custom_triton_ops_decomposition_disabled,
 # CustomGraphPass, pattern_matcher.register_replacement).
