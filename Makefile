@@ -1,5 +1,6 @@
 # The two fresh-machine commands (README): `make demo` and `make test`. Both set up .venv first.
-.PHONY: setup demo test
+# `make lint` is what CI (.ci/run) runs before the tests, and what the pre-commit hooks run.
+.PHONY: setup demo test lint
 
 setup:
 	@scripts/setup.sh
@@ -9,3 +10,7 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q -n 2 $(ARGS)
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .

@@ -1,4 +1,4 @@
-"""One-call H200 probe of the attention changes of issue #26 (run by the integrator; < 150 s).
+"""One-call H200 probe of the attention kernels (run by the integrator; < 150 s).
 
 For decode B1 / B32 at seq 32768, TP1 (Hq 64, Hkv 4) and TP8 (Hq 8, Hkv 1), bf16 and FP8 KV: the
 op's output on rotated set 0 against the float64 reference on sampled tokens, then CUDA-graph replay

@@ -14,11 +14,12 @@ import math
 import torch
 
 from bench.harness import Check, Context
-from bench.inputs import PAGE, seeded
-from bench.refs import call_by_name, find_function, sample_tokens
+from bench.inputs import seeded
+from bench.refs import sample_tokens
 from mm3_compile import platform
+from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 
-NAIVE = "mm3_compile.kernels.indexer.naive"
 DIDX = 128
 LOCAL_BLOCKS = 1
 MATCH_NEEDED = 0.98  # float64 reference vs fp32 accumulation: near-equal block scores may swap
@@ -76,13 +77,13 @@ def _torch_chunk(q, k_cache, block_table, pos, topk: int):
     """q [B, n, H, Di] (n tokens of each uniform request), pos [B, n] -> int32 [B, H, n, topk] (-1 padded)."""
     B, n_q, H, Di = q.shape
     n_blocks = block_table.shape[1]
-    keys = k_cache[block_table.long()].reshape(B, n_blocks * PAGE, Di)  # [B, S, Di]
+    keys = k_cache[block_table.long()].reshape(B, n_blocks * PAGE_SIZE, Di)  # [B, S, Di]
     scores = torch.matmul(q.float().reshape(B, n_q * H, Di), keys.float().transpose(1, 2)).view(B, n_q, H, -1)
-    key_pos = torch.arange(n_blocks * PAGE, device=q.device)
+    key_pos = torch.arange(n_blocks * PAGE_SIZE, device=q.device)
     scores = scores.masked_fill(key_pos > pos[:, :, None, None], float("-inf"))
-    block = scores.view(B, n_q, H, n_blocks, PAGE).amax(-1)  # [B, n_q, H, nblk]
+    block = scores.view(B, n_q, H, n_blocks, PAGE_SIZE).amax(-1)  # [B, n_q, H, nblk]
     block = torch.where(torch.isnan(block), -1e30, block)
-    own = (pos // PAGE)[:, :, None, None]
+    own = (pos // PAGE_SIZE)[:, :, None, None]
     blk = torch.arange(n_blocks, device=q.device)
     block = torch.where((blk <= own) & (blk > own - LOCAL_BLOCKS), 1e29, block)
     values, ids = block.topk(min(topk, n_blocks), dim=-1)
@@ -119,10 +120,10 @@ class IndexInputs:
 def make_inputs(case: IndexCase, ctx: Context) -> IndexInputs:
     device = ctx.device
     gen = seeded("indexer|" + case.shape, device)
-    n_blocks = math.ceil(case.seq_len / PAGE)
-    page_bytes = PAGE * DIDX * 2
+    n_blocks = math.ceil(case.seq_len / PAGE_SIZE)
+    page_bytes = PAGE_SIZE * DIDX * 2
     pool = max(case.B * n_blocks, (1 << 30) // page_bytes if ctx.cuda else 0)
-    k_cache = torch.randn((pool, PAGE, DIDX), dtype=torch.bfloat16, device=device, generator=gen)
+    k_cache = torch.randn((pool, PAGE_SIZE, DIDX), dtype=torch.bfloat16, device=device, generator=gen)
     if case.index_dtype == "fp8":  # N(0, 1) keys: inside the e4m3 range with scale 1 (the scalar rule's ranking)
         k_cache = k_cache.to(platform.platform_for(device).kv_e4m3_dtype)
     T = case.B * case.q_len
@@ -147,18 +148,16 @@ def make_inputs(case: IndexCase, ctx: Context) -> IndexInputs:
 def naive_on_sample(inp: IndexInputs, tokens: torch.Tensor) -> torch.Tensor:
     """int32 [Hidx, n, topk] from the naive reference: each sampled token as a one-token request
     with ``seq_len = p + 1`` over a compact cache of its request's visible pages."""
-    ref = find_function(NAIVE, ("index_topk_ref",), ("topk", "ref"))
     s = inp.sets[0]
     case = inp.case
     pos = inp.pos.cpu()[tokens]
     req = tokens // case.q_len
-    width = int(pos.max()) // PAGE + 1
+    width = int(pos.max()) // PAGE_SIZE + 1
     pages = s["block_table"].cpu()[req, :width].long()  # [n, width]; only blocks <= p // 128 are read
     compact = inp.k_cache[pages.flatten().to(inp.k_cache.device)].cpu()  # [n * width, 128, Didx]
     table = torch.arange(pages.numel(), dtype=torch.int32).view(pages.shape)
     n = tokens.shape[0]
-    return call_by_name(
-        ref,
+    return index_topk_ref(
         index_q=s["q"][tokens.to(s["q"].device)].cpu(),
         index_k_cache=compact,
         block_table=table,

@@ -2,9 +2,9 @@
 same keys in the authority's e4m3 (scale 1), N(0, 1) data, CPU only: ``python3 bench/indexer_fp8_sets.py``."""
 
 import torch
-from mm3_compile.kernels.indexer.naive import index_topk_ref
 
 from mm3_compile import platform
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 
 torch.manual_seed(0)
 fp8 = platform.platform_for(torch.device("cpu")).kv_e4m3_dtype

@@ -22,13 +22,13 @@ from bench.run import _prepare_environment
 
 _prepare_environment(cpu=False)  # an uninstalled checkout: map mm3_compile.kernels onto kernels/
 
-from mm3_compile.kernels.indexer import topk as kernels
-from mm3_compile.kernels.indexer.naive import index_topk_ref
-
-from bench.indexer import PAGE, IndexCase
+from bench.indexer import IndexCase
 from bench.refs import sample_tokens
 from bench.timing import Timer
 from mm3_compile import platform
+from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.indexer import topk as kernels
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 
 DIDX = 128
 SHAPES = [
@@ -78,12 +78,12 @@ def copy_ceiling_gbps(device) -> float:
 
 
 def make(case: IndexCase, device, gen, fp8_dtype=None, integer=True):
-    n_blocks = math.ceil(case.seq_len / PAGE)
-    pool = max(case.B * n_blocks, (1 << 30) // (PAGE * DIDX * 2))
+    n_blocks = math.ceil(case.seq_len / PAGE_SIZE)
+    pool = max(case.B * n_blocks, (1 << 30) // (PAGE_SIZE * DIDX * 2))
     if integer:
-        k = torch.randint(-3, 4, (pool, PAGE, DIDX), device=device, generator=gen).to(torch.bfloat16)
+        k = torch.randint(-3, 4, (pool, PAGE_SIZE, DIDX), device=device, generator=gen).to(torch.bfloat16)
     else:
-        k = torch.randn((pool, PAGE, DIDX), device=device, generator=gen).to(torch.bfloat16)
+        k = torch.randn((pool, PAGE_SIZE, DIDX), device=device, generator=gen).to(torch.bfloat16)
     T = case.B * case.q_len
     nbytes = case.B * case.seq_len * DIDX * 2
     sets = []
@@ -102,7 +102,7 @@ def make(case: IndexCase, device, gen, fp8_dtype=None, integer=True):
 def reference_on_sample(case, k, q, table, tokens):
     pos = (tokens % case.q_len) + case.seq_len - case.q_len
     req = tokens // case.q_len
-    width = int(pos.max()) // PAGE + 1
+    width = int(pos.max()) // PAGE_SIZE + 1
     pages = table.cpu()[req, :width].long()
     compact = k[pages.flatten().to(k.device)].cpu()
     n = tokens.shape[0]

@@ -12,8 +12,8 @@ import zlib
 import torch
 
 from mm3_compile import platform
+from mm3_compile.contract import PAGE_SIZE
 
-PAGE = 128
 # Rotated input sets per case: enough for 4x the L2 even for one-token decode (~1 MB per call).
 MAX_SETS = 256
 TOPK = 16
@@ -78,7 +78,7 @@ def decode_cases(cpu: bool, quick: bool) -> list[AttnCase]:
 
 
 def prefill_cases(cpu: bool, quick: bool) -> list[AttnCase]:
-    """The issue's shapes, then (full runs) our op on lists where runs of 64 tokens share their
+    """The target shapes, then (full runs) our op on lists where runs of 64 tokens share their
     older blocks -- what a tile-grouping kernel gains on correlated lists (informational rows)."""
     if cpu:
         return [
@@ -120,7 +120,7 @@ def synth_topk(pos: torch.Tensor, Hkv: int, topk: int, gen: torch.Generator, sha
     indexer's neighbouring queries often agree); 1 is the worst case, independent picks.
     """
     T = pos.shape[0]
-    own = pos // PAGE  # [T]
+    own = pos // PAGE_SIZE  # [T]
     n_blocks = int(own.max().item()) + 1
     groups = math.ceil(T / share)
     scores = torch.rand(Hkv, groups, n_blocks, generator=gen, device=pos.device)
@@ -141,14 +141,14 @@ def attended_keys(topk_idx: torch.Tensor, pos: torch.Tensor, tok_seq: torch.Tens
     ``min(T, p//128 + 1)`` slots, ids in ``[0, p//128]``, an id listed twice counted once, keys
     ``j <= p`` and ``j < seq_len``)."""
     T_slots = topk_idx.shape[-1]
-    own = pos // PAGE
+    own = pos // PAGE_SIZE
     ids = topk_idx.long()
     used = torch.arange(T_slots, device=pos.device) < torch.clamp(own + 1, max=T_slots)[:, None]  # [T, slots]
     earlier = torch.ones(T_slots, T_slots, dtype=torch.bool, device=pos.device).tril(-1)  # [slot, earlier slot]
     repeat = ((ids[..., :, None] == ids[..., None, :]) & (used[:, None, :] & earlier)).any(-1)  # [Hkv, T, slots]
     valid = used & (ids >= 0) & (ids <= own[:, None]) & ~repeat
     last = torch.minimum(pos, tok_seq - 1)  # [T] last visible key
-    keys = torch.clamp(last[:, None] - ids * PAGE + 1, 0, PAGE)
+    keys = torch.clamp(last[:, None] - ids * PAGE_SIZE + 1, 0, PAGE_SIZE)
     return (keys * valid).sum(-1)
 
 
@@ -171,13 +171,13 @@ class AttnInputs:
 
 
 def _fill_cache(pool: int, case: AttnCase, device, gen) -> tuple[torch.Tensor, torch.dtype]:
-    shape = (pool, case.Hkv, PAGE, 2 * case.D)
+    shape = (pool, case.Hkv, PAGE_SIZE, 2 * case.D)
     if case.kv == "bf16":
         return torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen), torch.bfloat16
     fp8 = platform.resolve_kv_cache_dtype("fp8", device, torch.bfloat16)
     fmax = platform.fp8_format(fp8).max
     cache = torch.empty(shape, dtype=torch.uint8, device=device)
-    step = max(1, (256 << 20) // (case.Hkv * PAGE * 2 * case.D * 4))  # pages per fp32 staging chunk
+    step = max(1, (256 << 20) // (case.Hkv * PAGE_SIZE * 2 * case.D * 4))  # pages per fp32 staging chunk
     for start in range(0, pool, step):
         part = torch.randn((min(step, pool - start), *shape[1:]), device=device, generator=gen) / FP8_KV_SCALE
         cache[start : start + part.shape[0]] = part.clamp(-fmax, fmax).to(fp8).view(torch.uint8)
@@ -189,8 +189,8 @@ def make_attn_inputs(case: AttnCase, device, l2_bytes: int, min_pool_bytes: int,
     share = case.share or share
     B = len(case.q_lens)
     elem = 2 if case.kv == "bf16" else 1
-    page_bytes = case.Hkv * PAGE * 2 * case.D * elem
-    n_blocks = [math.ceil(s / PAGE) for s in case.seq_lens]
+    page_bytes = case.Hkv * PAGE_SIZE * 2 * case.D * elem
+    n_blocks = [math.ceil(s / PAGE_SIZE) for s in case.seq_lens]
     max_blocks = max(n_blocks)
     pool = max(B * max_blocks, math.ceil(min_pool_bytes / page_bytes))
     cache, storage_dtype = _fill_cache(pool, case, device, gen)

@@ -26,13 +26,14 @@ from bench.harness import Check, Context
 
 
 def _workload(ctx: Context):
+    from mm3_compile.contract import PAGE_SIZE
     from mm3_compile.models import MiniMaxM3Config, PagedKVRuntime, build_model, random_full_state
 
     if ctx.cuda:
         config, batch, prompt, steps = MiniMaxM3Config.m3_1layer(), 32, 2048, 8
     else:
         config, batch, prompt, steps = MiniMaxM3Config.tiny(), 2, 140, 3
-    blocks = (prompt + steps + 127) // 128 + 1
+    blocks = -(-(prompt + steps) // PAGE_SIZE) + 1
     state = random_full_state(config, seed=0, device=ctx.device)
     model = build_model(config, seed=0, device=ctx.device, dtype=torch.bfloat16, state=state)
     runtime = PagedKVRuntime(model, num_blocks=batch * blocks, max_blocks_per_request=blocks, kv_cache_dtype="auto")
@@ -45,7 +46,7 @@ def hbm_floor_bytes(model, batch: int, seq_len: int, kv_bytes: int = 2) -> int:
     pages attention visits (the top-k blocks of a sparse layer, the whole history of a dense one) and every
     index-K row the indexer scores."""
     from mm3_compile.contract import PAGE_SIZE
-    from mm3_compile.models.layers import RoutedExperts
+    from mm3_compile.models.moe import RoutedExperts
 
     cfg = model.config
     H, D, Didx, Hkv = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, cfg.num_key_value_heads

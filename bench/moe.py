@@ -22,7 +22,7 @@ TOLERANCE = 2e-2  # of max |out|: bf16 GEMM outputs rounded in another order, ne
 
 def build_block(device, config):
     """An M3 MoE block with seeded random weights, quantized expert by expert (no full bf16 copy at once)."""
-    from mm3_compile.models.layers import M3MoE
+    from mm3_compile.models.moe import M3MoE
     from mm3_compile.models.tp import TPInfo
 
     moe = M3MoE(config, TPInfo(), torch.bfloat16, device)
@@ -52,7 +52,8 @@ def dequant_grouped_mm(moe, x, w1=None, w2=None):
 
     With ``w1``/``w2`` (``[E, H, 2I]`` / ``[E, I, H]`` bf16, dequantized beforehand) the GEMMs read those instead.
     """
-    from mm3_compile.models.layers import mxfp8_dequantize, route
+    from mm3_compile.models.moe import route
+    from mm3_compile.models.mxfp8 import mxfp8_dequantize
 
     cfg = moe.config
     logits = torch.nn.functional.linear(x.float(), moe.gate_weight)
@@ -87,7 +88,7 @@ def expert_bytes(config) -> int:
 
 
 def distinct_experts(moe, xs) -> float:
-    from mm3_compile.models.layers import route
+    from mm3_compile.models.moe import route
 
     cfg = moe.config
     counts = []

@@ -1,4 +1,4 @@
-"""One device round for the MoE kernels (issue #20): correctness at the real widths, schedule variants, the family.
+"""One device round for the MoE kernels: correctness at the real widths, schedule variants, the family.
 
 ``python bench/moe_probe.py [--cpu] [--budget-s 200] [--skip-family]``: (1) GEMM1 / GEMM2 / the linear vs the
 float64 references of ``kernels/moe/naive.py`` on the experts the routes picked; (2) CUDA-graph timings of the
@@ -17,17 +17,17 @@ from bench.run import _prepare_environment
 _prepare_environment("--cpu" in sys.argv)
 
 import torch
-from mm3_compile.kernels.moe import gemm as gemm_kernels
-from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
-from mm3_compile.kernels.moe.schedule import GemmConfig
 
 import mm3_compile  # noqa: F401
 from bench import moe as moe_bench
 from bench.harness import Context
 from bench.timing import Budget, Timer
 from mm3_compile import platform
+from mm3_compile.kernels.moe import gemm as gemm_kernels
+from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
+from mm3_compile.kernels.moe.schedule import GemmConfig
 from mm3_compile.models import MiniMaxM3Config
-from mm3_compile.models.layers import route
+from mm3_compile.models.moe import route
 from mm3_compile.ops.moe import gemm_schedule
 
 T0 = time.monotonic()
@@ -180,8 +180,9 @@ def main():
     ctx.budget.begin("moe")
     print(f"ceilings: copy {ctx.ceilings.get('copy')} GB/s, matmul {ctx.ceilings.get('matmul')} TFLOP/s", flush=True)
     if not args.cpu:
-        from mm3_compile.lowerings.decompose import kernel_names_in
         from torch._inductor.utils import run_and_get_code
+
+        from mm3_compile.lowerings.decompose import kernel_names_in
 
         x = torch.randn(32, config.hidden_size, device=device).to(torch.bfloat16)
         _, code = run_and_get_code(torch.compile(moe, fullgraph=True, dynamic=False), x)

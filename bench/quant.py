@@ -12,10 +12,9 @@ import torch
 
 from bench.harness import Check, Context
 from bench.inputs import MAX_SETS
-from bench.refs import find_function
 from mm3_compile import platform
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 
-NAIVE = "mm3_compile.kernels.mxfp8.naive"
 MISMATCH_LIMIT = 1e-3  # fraction of differing bytes tolerated (1-ulp sigmoid differences flip a rounding)
 
 
@@ -40,11 +39,9 @@ def _compare(out, expected) -> Check:
 def run(ctx: Context, passes=("ours", "baselines")) -> None:
     device = ctx.device
     fmt = platform.fp8_format(platform.mxfp8_value_dtype(device))
-    swiglu_ref = find_function(NAIVE, ("swiglu_oai_ref",), ("swiglu", "ref"))
-    quant_ref = find_function(NAIVE, ("mxfp8_quantize_ref",), ("quantize", "ref"), ("floor", "dequant"))
 
     def reference(gate_up):
-        return quant_ref(swiglu_ref(gate_up), fmt)
+        return mxfp8_quantize_ref(swiglu_oai_ref(gate_up), fmt)
 
     def ours(gate_up):
         return torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
@@ -75,7 +72,7 @@ def run(ctx: Context, passes=("ours", "baselines")) -> None:
                     base,
                     name,
                     fns,
-                    lambda out: _compare(out, expected),
+                    lambda out, expected=expected: _compare(out, expected),
                     modes=("launched", "graph"),
                     nbytes=set_bytes,
                     ceiling_kind="copy",

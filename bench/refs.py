@@ -1,7 +1,7 @@
 """References the benchmark checks every provider against, and the vectorised PyTorch provider.
 
-* ``naive_attention``: the repo's pure-PyTorch reference (``kernels/sparse_attn/naive.py``), found
-  by name and called by keyword so a renamed or reordered signature still works.  It loops over
+* ``naive_attention_on_sample``: the repo's pure-PyTorch reference (``kernels/sparse_attn/naive.py``'s
+  ``sparse_attn_ref``, imported by name: a renamed reference fails the bench's import).  It loops over
   (token, KV head) in float64 on the CPU, so it is run on a sample of query tokens: each sampled
   token becomes a one-token request with ``seq_len = p + 1`` (the same visible keys) over a compact
   cache holding only the pages its top-k list selects.
@@ -11,43 +11,12 @@
   chunked over tokens to bound memory.
 """
 
-import importlib
-import inspect
-
 import torch
 
-PAGE = 128
+from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_ref
+
 ATOL, RTOL = 1.5e-2, 2e-2  # bf16 output vs a float64 reference
-
-
-def find_function(module_name: str, preferred: tuple[str, ...], must_contain: tuple[str, ...] = ("ref",), avoid=()):
-    """The reference function of a naive.py, robust to its name: preferred names first, else the
-    only public function whose name contains all of ``must_contain`` and none of ``avoid``."""
-    module = importlib.import_module(module_name)
-    for name in preferred:
-        if callable(getattr(module, name, None)):
-            return getattr(module, name)
-    found = [
-        f
-        for n, f in vars(module).items()
-        if inspect.isfunction(f)
-        and f.__module__ == module.__name__
-        and not n.startswith("_")
-        and all(m in n for m in must_contain)
-        and not any(a in n for a in avoid)
-    ]
-    if len(found) != 1:
-        raise LookupError(f"{module_name}: no unique reference among {[f.__name__ for f in found]} for {preferred}")
-    return found[0]
-
-
-def call_by_name(fn, **available):
-    """Call ``fn`` with the arguments its signature names (so renamed positions do not matter)."""
-    params = inspect.signature(fn).parameters
-    missing = [n for n, p in params.items() if n not in available and p.default is inspect.Parameter.empty]
-    if missing:
-        raise TypeError(f"{fn.__module__}.{fn.__name__}: cannot supply arguments {missing}")
-    return fn(**{n: v for n, v in available.items() if n in params})
 
 
 def sample_tokens(T: int, n: int, gen_seed: int = 0) -> torch.Tensor:
@@ -61,15 +30,12 @@ def sample_tokens(T: int, n: int, gen_seed: int = 0) -> torch.Tensor:
 
 def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tensor:
     """float32 [n, Hq, D] (CPU) from the repo's naive reference for the sampled tokens of set ``s``."""
-    ref = find_function(
-        "mm3_compile.kernels.sparse_attn.naive", ("sparse_attn_ref", "sparse_attn_prefill_ref"), ("ref",), ("decode",)
-    )
     ids = s["topk_idx"][:, tokens.to(s["topk_idx"].device)].long().cpu()  # [Hkv, n, T]
     pos = inp.pos.cpu()[tokens]
     req = inp.req.cpu()[tokens]
     table = s["block_table"].cpu()
     n = tokens.shape[0]
-    own = pos // PAGE
+    own = pos // PAGE_SIZE
     used = torch.arange(ids.shape[-1]) < torch.clamp(own + 1, max=ids.shape[-1])[:, None]
     valid = used & (ids >= 0) & (ids <= own[:, None])
     # Compact cache: only the pages the sampled lists select.
@@ -90,8 +56,7 @@ def naive_attention_on_sample(inp, s: dict, tokens: torch.Tensor) -> torch.Tenso
     k_scale = None if inp.k_scale is None else inp.k_scale.cpu()
     v_scale = None if inp.v_scale is None else inp.v_scale.cpu()
     return (
-        call_by_name(
-            ref,
+        sparse_attn_ref(
             q=s["q"][tokens.to(s["q"].device)].cpu(),
             kv_cache=compact,
             topk_idx=ids.to(torch.int32),
@@ -121,7 +86,7 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
     nb, Hkv = cache.shape[:2]
     G = Hq // Hkv
     slots = topk_idx.shape[-1]
-    own = pos // PAGE  # [t]
+    own = pos // PAGE_SIZE  # [t]
     ids = topk_idx.long()
     used = torch.arange(slots, device=q.device) < torch.clamp(own + 1, max=slots)[:, None]  # [t, slots]
     valid = used & (ids >= 0) & (ids <= own[:, None]) & (ids < block_table.shape[1])  # [Hkv, t, slots]
@@ -138,13 +103,13 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
     if k_scale is not None:
         k = k * k_scale.to(q.dtype)
         v = v * v_scale.to(q.dtype)
-    key_pos = ids[..., None] * PAGE + torch.arange(PAGE, device=q.device)  # [Hkv, t, slots, 128]
+    key_pos = ids[..., None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=q.device)  # [Hkv, t, slots, 128]
     visible = valid[..., None] & (key_pos <= pos[:, None, None]) & (key_pos < tok_seq[:, None, None])
-    k = k.reshape(Hkv, t, slots * PAGE, D)
-    v = v.reshape(Hkv, t, slots * PAGE, D)
+    k = k.reshape(Hkv, t, slots * PAGE_SIZE, D)
+    v = v.reshape(Hkv, t, slots * PAGE_SIZE, D)
     qh = q.view(t, Hkv, G, D).transpose(0, 1)  # [Hkv, t, G, D]
     logits = torch.matmul(qh, k.transpose(-1, -2)).float() * sm_scale  # [Hkv, t, G, keys]
-    logits = logits.masked_fill(~visible.reshape(Hkv, t, 1, slots * PAGE), float("-inf"))
+    logits = logits.masked_fill(~visible.reshape(Hkv, t, 1, slots * PAGE_SIZE), float("-inf"))
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a row with no key is 0
     out = torch.matmul(probs.to(q.dtype), v)  # [Hkv, t, G, D]
     return out.transpose(0, 1).reshape(t, Hq, D)
@@ -152,7 +117,7 @@ def _attend_chunk(q, cache, k_scale, v_scale, topk_idx, block_table, req, pos, t
 
 def chunk_tokens(case, device) -> int:
     """Tokens per chunk so the gathered pages stay around 1 GiB (bf16) on the GPU."""
-    per_token = case.Hkv * case.topk * PAGE * 2 * case.D * 2 * 3  # gather + dequantised K/V copies
+    per_token = case.Hkv * case.topk * PAGE_SIZE * 2 * case.D * 2 * 3  # gather + dequantised K/V copies
     budget = (1 << 30) if device.type == "cuda" else (64 << 20)
     chunk = 1
     while chunk * 2 * per_token <= budget:

@@ -68,7 +68,7 @@ def markdown_table(rows: list[dict]) -> str:
             "Ceilings: "
             + "; ".join(
                 f"{r['provider']} {_num(r.get('gbps') or r.get('tflops'))} {'GB/s' if r.get('gbps') else 'TFLOP/s'}"
-                + (f" ({r.get('timestamp')})" if len({c.get('timestamp') for c in ceilings}) > 1 else "")
+                + (f" ({r.get('timestamp')})" if len({c.get("timestamp") for c in ceilings}) > 1 else "")
                 for r in ceilings
             )
             + ""
@@ -107,8 +107,8 @@ def _typed(r: dict) -> dict:
 
 
 def readme_section(rows: list[dict]) -> str:
-    """The targets check, then every row."""
-    return "Targets (issue 6):\n\n" + targets_markdown(targets(rows)) + "\nAll rows:\n\n" + markdown_table(rows)
+    """The targets check; every row goes to ``table.md`` beside the CSV (``bench/results/table.md``)."""
+    return "Targets:\n\n" + targets_markdown(targets(rows)) + "\nEvery row: `bench/results/table.md`.\n"
 
 
 def update_readme(table: str, readme: str) -> None:
@@ -180,11 +180,11 @@ def plots(rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
-# --- targets (issue 6) -------------------------------------------------------------------------
+# --- targets (the project's speed targets) -------------------------------------------------------------------------
 
 OURS = ("op", "op_compiled")
 LAYER_NEED = "<= 0.5x eager; cold compile <= 60 s, warm <= 5 s"
-QUANT_TARGET_SHAPES = ("M4096 x 6144", "M65536 x 6144")  # the issue's M >= 4096 with I = 3072
+QUANT_TARGET_SHAPES = ("M4096 x 6144", "M65536 x 6144")  # the target's M >= 4096 with I = 3072
 
 
 def _full_run_shapes(family: str) -> list[tuple[str, str]]:
@@ -234,7 +234,7 @@ def _batch(shape: str) -> int:
 
 
 def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
-    """(target, requirement, measured, PASS/FAIL/MISSING) per row of the issue's table."""
+    """(target, requirement, measured, PASS/FAIL/MISSING) per row of the targets table."""
     rows = _latest([_typed(r) for r in rows])
     results = []
     # Our providers' rows that errored (a crash, a failed capture) count against the target too.
@@ -290,7 +290,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
         expected=[(s, kv) for s, kv in dec_shapes if _batch(s) == 1 and "s32768" in s], family="decode",
     )  # fmt: skip
 
-    # Targets are judged on the issue's lists (independent picks), not the informational "share" variants.
+    # Targets are judged on the targets' lists (independent picks), not the informational "share" variants.
     pre = [r for r in _ok_rows(rows, family="prefill", provider=OURS) if "share" not in r["shape"]]
     pre_shapes = _full_run_shapes("prefill")
     tp1 = _best_per_shape([r for r in pre if r["kv_dtype"] == "bf16" and r["shape"] == "TP1 1x8192"])
@@ -356,7 +356,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     return results
 
 
-MOE_DECODE_US = {1: 140.0, 32: 1400.0, 128: 2100.0}  # issue #20: compiled MoE block, graph replay
+MOE_DECODE_US = {1: 140.0, 32: 1400.0, 128: 2100.0}  # compiled MoE block, graph replay
 MOE_PREFILL_PCT = 55.0  # of the bf16 matmul ceiling at 8192 tokens
 
 

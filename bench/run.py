@@ -20,7 +20,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("quant", "decode", "prefill", "indexer", "moe", "layer")
-SHARES = {"quant": 1.5, "decode": 2.5, "prefill": 3.0, "indexer": 1.0, "moe": 2.0, "layer": 1.5}  # of the time budget, as families start
+SHARES = {
+    "quant": 1.5,
+    "decode": 2.5,
+    "prefill": 3.0,
+    "indexer": 1.0,
+    "moe": 2.0,
+    "layer": 1.5,
+}  # of the time budget, as families start
 
 
 def parse_args(argv=None):
@@ -29,7 +36,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--cpu", action="store_true", help="tiny shapes in the Triton interpreter (harness check, no timing claims)"
     )
-    p.add_argument("--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer,moe,layer")
+    p.add_argument(
+        "--families", default=",".join(FAMILIES), help="comma list of quant,decode,prefill,indexer,moe,layer"
+    )
     p.add_argument("--out", default=None, help="output folder (default bench/results, bench/results/cpu with --cpu)")
     p.add_argument(
         "--readme",
@@ -151,7 +160,7 @@ def write_outputs(rows, out_dir: str, readme: str | None) -> None:
     with open(os.path.join(out_dir, "targets.md"), "w") as f:
         f.write(targets_md)
     print(f"wrote {csv_path}, table.md, targets.md" + (f"; README section of {readme}" if readme else ""))
-    print("\nTARGETS (issue 6)\n" + targets_md, flush=True)
+    print("\nTARGETS\n" + targets_md, flush=True)
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,13 @@ import logging
 import torch
 import torch.fx.experimental._config
 
+from mm3_compile import ops
+from mm3_compile.lowerings.decompose import register_functional_decomposition
+from mm3_compile.lowerings.fusion import Mm3PostGradPass, fusion_installed
+
 log = logging.getLogger("mm3_compile")
+
+__all__ = ["SUPPORTED_TORCH", "compile_options", "dynamic_shapes", "install", "supported", "torch_version"]
 
 # torch 2.11 (GPU machine) and 2.13 (CI) are exercised; 2.12-2.15 share the same internals
 # (CustomOpDef.register_torch_dispatch, export's custom_triton_ops_decomposition_disabled,
@@ -32,26 +38,37 @@ def install() -> None:
     if not supported():
         log.warning(
             "torch %s is outside the range %s-%s mm3_compile's lowerings were checked on: mm3 ops stay opaque "
-            "custom ops in compiled graphs", torch.__version__, *SUPPORTED_TORCH
+            "custom ops in compiled graphs",
+            torch.__version__,
+            *SUPPORTED_TORCH,
         )
         return
-    from mm3_compile import ops
-    from mm3_compile.lowerings.decompose import register_functional_decomposition
-    from mm3_compile.lowerings.fusion import fusion_installed
-
     register_functional_decomposition(ops.quant.mxfp8_quantize, defer=fusion_installed)
     register_functional_decomposition(ops.quant.swiglu_oai_mxfp8_quant)
-    for opdef in (ops.kv_cache.kv_cache_write, ops.indexer.index_topk, ops.sparse_attn.sparse_attn_prefill,
-                  ops.sparse_attn.sparse_attn_decode, ops.moe.moe_align, ops.moe.mxfp8_grouped_gemm,
-                  ops.moe.mxfp8_linear, ops.moe.moe_experts):
+    for opdef in (
+        ops.kv_cache.kv_cache_write,
+        ops.indexer.index_topk,
+        ops.sparse_attn.sparse_attn_prefill,
+        ops.sparse_attn.sparse_attn_decode,
+        ops.moe.moe_align,
+        ops.moe.mxfp8_grouped_gemm,
+        ops.moe.mxfp8_linear,
+        ops.moe.moe_experts,
+    ):
         register_functional_decomposition(opdef)
 
 
 def compile_options() -> dict:
-    """Options for ``torch.compile``: the SwiGLU+MXFP8 fusion pass and a platform-keyed FX graph cache."""
-    from mm3_compile.lowerings.fusion import compile_options as options
+    """Options for ``torch.compile``: the SwiGLU+MXFP8 fusion pass and a platform-keyed FX graph cache.
 
-    return options()
+    Returns:
+        ``{"post_grad_custom_post_pass": Mm3PostGradPass()}``; empty outside ``SUPPORTED_TORCH``, like the
+        lowerings themselves (the pass rewrites through Inductor internals).
+
+    Examples:
+        >>> compiled = torch.compile(model, fullgraph=True, options=mm3_compile.compile_options())  # doctest: +SKIP
+    """
+    return {"post_grad_custom_post_pass": Mm3PostGradPass()} if supported() else {}
 
 
 def dynamic_shapes():

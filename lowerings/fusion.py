@@ -1,6 +1,6 @@
 """Post-grad pass: fuse a plain-PyTorch SwiGLU-OAI feeding ``mm3::mxfp8_quantize``.
 
-Installed with ``torch.compile(model, options=mm3_compile.compile_options())``. The pass
+Installed with ``torch.compile(model, options=mm3_compile.compile_options())`` (``lowerings.compile_options``). The pass
 
 1. rewrites ``swiglu_oai(gate_up) -> mm3.mxfp8_quantize`` into one
    ``mm3.swiglu_oai_mxfp8_quant``: the reference formula computed in fp32
@@ -24,9 +24,9 @@ import operator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
+    MULTIPLE,
     CallFunction,
     CallFunctionVarArgs,
-    MULTIPLE,
     KeywordArg,
     is_match,
 )
@@ -54,7 +54,9 @@ def _swiglu_quant_pattern(upcast: bool, clamped: bool):
     halves = CallFunction(aten.split.Tensor, source, KeywordArg("half"), KeywordArg("dim"), _users=2)
     up = CallFunction(operator.getitem, halves, 1)
     if clamped:
-        gate = CallFunction(aten.clamp_max.default, CallFunction(operator.getitem, halves, 0), KeywordArg("limit"), _users=2)
+        gate = CallFunction(
+            aten.clamp_max.default, CallFunction(operator.getitem, halves, 0), KeywordArg("limit"), _users=2
+        )
         up = CallFunction(aten.clamp_min.default, up, KeywordArg("neg_limit"))
         up = CallFunction(aten.clamp_max.default, up, KeywordArg("up_limit"))
     else:
@@ -162,13 +164,3 @@ class Mm3PostGradPass(CustomGraphPass):
 def fusion_installed() -> bool:
     """True while Inductor compiles with our post-grad pass (then ``mxfp8_quantize`` waits for it)."""
     return isinstance(torch._inductor.config.post_grad_custom_post_pass, Mm3PostGradPass)
-
-
-def compile_options() -> dict:
-    """``torch.compile(model, options=mm3_compile.compile_options())``: fusion + platform-keyed cache.
-
-    Empty outside the torch versions the lowerings were checked on (``lowerings.supported``), like
-    the lowerings themselves: the pass rewrites through Inductor internals."""
-    from mm3_compile.lowerings import supported
-
-    return {"post_grad_custom_post_pass": Mm3PostGradPass()} if supported() else {}

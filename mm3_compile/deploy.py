@@ -64,7 +64,22 @@ def package(
 ) -> str:
     """``aoti_compile_and_package`` with the platform of ``device`` recorded in the package metadata.
 
-    ``device`` must be the one the program was exported on: its kernels are compiled for it."""
+    ``device`` must be the one the program was exported on: its kernels are compiled for it.
+
+    Args:
+        exported: a ``torch.export`` program (``mm3`` ops stay ``torch.ops.mm3.*`` nodes until AOTInductor).
+        path: where to write the ``.pt2`` package.
+        device: the device the program was exported on.
+        **inductor_configs: passed to ``aoti_compile_and_package`` (``aot_inductor.metadata`` is merged).
+
+    Returns:
+        The package path. A package whose shared library carries a private libstdc++ is deleted and refused
+        (``RuntimeError`` naming the compiler; see :func:`verified_compiler`).
+
+    Examples:
+        >>> exported = torch.export.export(module, args, strict=False)  # doctest: +SKIP
+        >>> path = deploy.package(exported, "step.pt2", "cuda")  # doctest: +SKIP
+    """
     device = torch.device(device)
     traced_on = {
         node.meta["val"].device.type
@@ -116,6 +131,17 @@ def load(path: str | os.PathLike, device: torch.device | str | None = None):
     its platform stamp against ``device`` (default: the device type it was compiled for).
 
     The stamp is checked before the package's library is loaded: a refused package never runs code.
+
+    Args:
+        path: a package written by :func:`package`.
+        device: where to run it; default: the device type it was compiled for.
+
+    Returns:
+        The loaded model, called with the exported program's inputs.
+
+    Examples:
+        >>> step = deploy.load("step.pt2")  # doctest: +SKIP
+        >>> outputs = step(*args)  # doctest: +SKIP
     """
     metadata = package_metadata(path, "model")
     device = torch.device(device if device is not None else metadata.get("AOTI_DEVICE_KEY", "cpu"))

@@ -27,7 +27,7 @@ import logging
 import os
 import re
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -98,23 +98,12 @@ class FP8Format:
         """The NaN encoding (OCP formats also keep the sign bit of the NaN)."""
         return 0x80 if self.fnuz else 0x7F
 
-    @property
-    def triton_name(self) -> str:
-        """Triton's name of this dtype (``tl.float8e4nv`` etc.), used for typed kernel loads."""
-        return _TRITON_FP8_NAMES[self.dtype]
-
 
 _FORMATS = {
     FP8_E4M3_OCP: FP8Format(FP8_E4M3_OCP, 3, 7, torch.finfo(FP8_E4M3_OCP).max, False, False),
     FP8_E4M3_FNUZ: FP8Format(FP8_E4M3_FNUZ, 3, 8, torch.finfo(FP8_E4M3_FNUZ).max, True, False),
     FP8_E5M2_OCP: FP8Format(FP8_E5M2_OCP, 2, 15, torch.finfo(FP8_E5M2_OCP).max, False, True),
     FP8_E5M2_FNUZ: FP8Format(FP8_E5M2_FNUZ, 2, 16, torch.finfo(FP8_E5M2_FNUZ).max, True, False),
-}
-_TRITON_FP8_NAMES = {
-    FP8_E4M3_OCP: "float8e4nv",
-    FP8_E4M3_FNUZ: "float8e4b8",
-    FP8_E5M2_OCP: "float8e5",
-    FP8_E5M2_FNUZ: "float8e5b16",
 }
 
 
@@ -299,12 +288,6 @@ def resolve_kv_cache_dtype(spec: str, device: torch.device | str | None, model_d
         raise ValueError(f"kv_cache_dtype: unknown spec {spec!r}; expected one of {', '.join(KV_CACHE_SPECS)}")
     log_decision(logging.INFO, "kv_cache_dtype %r on %s resolves to %s", spec, device, dtype)
     return dtype
-
-
-def is_fp8_kv_spec(spec: str) -> bool:
-    if spec not in KV_CACHE_SPECS:
-        raise ValueError(f"kv_cache_dtype: unknown spec {spec!r}; expected one of {', '.join(KV_CACHE_SPECS)}")
-    return spec.startswith("fp8")
 
 
 def resolution_table() -> list[dict[str, str]]:

@@ -31,7 +31,7 @@ case "${1:-tests}" in
     timeout 420 python3 -m pytest -v -p no:cacheprovider --durations=15 -m gpu -k "not aoti" tests >"$out/gpu_tests.log" 2>&1
     # not GPU-marked (it runs on CPU in CI too); on CUDA it adds prefill length 4096
     timeout 110 python3 -m pytest -v -p no:cacheprovider \
-      "tests/test_lowerings.py::test_every_op_compiles_once_and_matches_eager" >>"$out/gpu_tests.log" 2>&1
+      "tests/lowerings/test_lowerings.py::test_every_op_compiles_once_and_matches_eager" >>"$out/gpu_tests.log" 2>&1
     grep -E "(FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu_tests.log" | tail -30 ;;
   aoti)
     timeout 300 python3 -m pytest -v -p no:cacheprovider -rs -m gpu -k aoti tests >"$out/gpu_aoti.log" 2>&1

@@ -12,7 +12,7 @@ and the variables beside it), gloo on the CPU.  Reported (rank 0; JSON with ``--
 * graph breaks (expected 0) and recompiles (frames compiled beyond the prefill and decode graphs,
   expected 0), and the collectives in the two compiled FX graphs (2 all-reduces per layer);
 * agreement per token: max |logits TP=N - TP=1| over the vocabulary, relative to max |logits TP=1|.
-  Sharded bf16 partial sums reduce in another order, a few bf16 ulps; tests/test_tp.py bounds
+  Sharded bf16 partial sums reduce in another order, a few bf16 ulps; tests/models/test_tp.py bounds
   settled tokens at 5e-2 and the median at 3e-2.  A token whose router is near-tied may pick another
   expert (a whole expert's difference), so up to 1/16 of the tokens may exceed 5e-2 (the bench's
   rule; this script runs no reference to find the near-ties);
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import mm3_compile  # noqa: F401  (registers torch.ops.mm3.*)
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models import (
     MiniMaxM3Config,
     PagedKVRuntime,
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     config = MiniMaxM3Config.preset(args.config)
-    blocks = (args.prompt + args.steps + 127) // 128 + 1
+    blocks = -(-(args.prompt + args.steps) // PAGE_SIZE) + 1
     state = random_full_state(config, seed=0, device=device)  # identical on every rank of a device type
 
     def runtime_for(model):

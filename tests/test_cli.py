@@ -8,7 +8,7 @@ import pytest
 
 from mm3_compile import cli, platform
 from mm3_compile.models import MiniMaxM3Config, random_full_state
-from tests.release_checkpoint import write_checkpoint
+from tests.models.release_checkpoint import write_checkpoint
 
 
 def test_cli_refuses_bad_arguments_clearly(monkeypatch, capsys):

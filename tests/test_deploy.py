@@ -1,18 +1,23 @@
-"""The libstdc++ check of AOTInductor packages, on real ELF files built here with g++.
+"""mm3_compile.deploy: platform stamps, AOTInductor packages, and the libstdc++ check of their libraries.
 
-A shared object linked with ``-static-libstdc++`` carries a private libstdc++ (what the H200 machine's
-``CXX=/opt/gcc/bin/g++`` produced, crashing the package loader); a normal one needs ``libstdc++.so``.
+The libstdc++ check runs on real ELF files built here with g++: a shared object linked with
+``-static-libstdc++`` carries a private libstdc++ (what the H200 machine's ``CXX=/opt/gcc/bin/g++``
+produced, crashing the package loader); a normal one needs ``libstdc++.so``.
 """
 
+import json
+import re
 import shutil
 import stat
 import subprocess
+import sys
 import zipfile
 
 import pytest
 import torch
 
-from mm3_compile import deploy
+from mm3_compile import deploy, platform
+from tests.every_op import EveryOp, make_batch
 
 GXX = shutil.which("g++")
 needs_gxx = pytest.mark.skipif(GXX is None, reason="needs g++ to build the ELF files under test")
@@ -120,3 +125,160 @@ def test_package_built_with_a_static_libstdcxx_is_refused_and_deleted(tmp_path):
         for name in libraries:
             assert deploy.read_shared_library(archive.read(name), name).private_libstdcxx() == []
     torch.testing.assert_close(deploy.load(good, "cpu")(x), Doubler()(x))
+
+
+def test_deploy_refuses_other_fp8_platform():
+    with platform.emulate("sm_90"):
+        stamp = deploy.platform_stamp("cpu")
+    with platform.emulate("gfx950"):
+        deploy.check_platform(stamp, "cpu")  # both OCP: the same bytes mean the same values
+    with platform.emulate("gfx942"), pytest.raises(RuntimeError, match="traced for platform sm_90.*gfx942"):
+        deploy.check_platform(stamp, "cpu")
+    with pytest.raises(ValueError, match="no mm3_compile platform stamp"):
+        deploy.check_platform({}, "cpu")
+
+
+class AtenOnly(torch.nn.Module):
+    def forward(self, x):
+        return (x.float() * 2).sin()
+
+
+def test_deploy_package_stamp_is_checked_before_loading(tmp_path):
+    """A real (CPU) AOTInductor package: the stamp is read from the archive; a refused package is never loaded."""
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    exported = torch.export.export(AtenOnly(), (x,), strict=False)
+    with platform.emulate("gfx942"):
+        path = deploy.package(exported, tmp_path / "aten.pt2", "cpu")
+    assert deploy.package_metadata(path)["mm3_compile.fp8_e4m3"] == "torch.float8_e4m3fnuz"
+    with platform.emulate("sm_90"), pytest.raises(RuntimeError, match="traced for platform gfx942"):
+        deploy.load(path, "cpu")
+    with platform.emulate("gfx942"):
+        torch.testing.assert_close(deploy.load(path, "cpu")(x), AtenOnly()(x))
+        torch.testing.assert_close(deploy.load(path)(x), AtenOnly()(x))  # default: the package's own device
+    with pytest.raises(ValueError, match="no AOTInductor model 'model'"):
+        with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:
+            archive.writestr("model/weights.bin", b"")
+        deploy.package_metadata(tmp_path / "other.zip")
+    # Only the loaded model's stamp counts: another model's (here first in the archive) is not read.
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(tmp_path / "two.pt2", "w") as dst:
+        prefix = src.namelist()[0].split("/")[0]
+        dst.writestr(f"{prefix}/data/aotinductor/aaa/a_wrapper_metadata.json", json.dumps(deploy.platform_stamp("cpu")))
+        for name in src.namelist():
+            dst.writestr(name, src.read(name))
+    with platform.emulate("sm_90"), pytest.raises(RuntimeError, match="traced for platform gfx942"):
+        deploy.load(tmp_path / "two.pt2", "cpu")
+    (tmp_path / "text.pt2").write_text("not a package")
+    with pytest.raises(ValueError, match=r"text.pt2: not a zip archive"):
+        deploy.load(tmp_path / "text.pt2")
+    with pytest.raises(ValueError, match=r"device: the program was exported on \['cpu'\] tensors, got device meta"):
+        deploy.package(exported, tmp_path / "meta.pt2", "meta")
+
+
+# GPU: an AOTInductor package of every op runs in a Python that never imports mm3_compile.
+
+AOTI_RUNNER = r"""
+import sys, torch
+torch.cuda.init()
+inputs = torch.load(sys.argv[2])
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+outputs = runner(*inputs)
+outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+torch.save([o.cpu() for o in outputs], sys.argv[3])
+assert not any(name.startswith("mm3_compile") for name in sys.modules), "the package needed mm3_compile"
+"""
+
+
+def run_package_in_fresh_process(path, inputs, workdir):
+    """Load and run an AOTInductor package in a Python that never imports mm3_compile; its outputs on the CPU."""
+    torch.save(list(inputs), workdir / "inputs.pt")
+    runner = subprocess.run(
+        [sys.executable, "-c", AOTI_RUNNER, str(path), str(workdir / "inputs.pt"), str(workdir / "out.pt")],
+        capture_output=True,
+        text=True,
+    )
+    return runner, (torch.load(workdir / "out.pt") if runner.returncode == 0 else None)
+
+
+def control_package_diagnosis(tmp_path, device) -> str:
+    """A control package without any mm3 op, built and run the same way: tells a toolchain problem
+    (the control fails too) from one of ours, for the failure message of the mm3 package."""
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    x = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    exported = torch.export.export(AtenOnly(), (x,), strict=False)
+    path = torch._inductor.aoti_compile_and_package(exported, package_path=str(control_dir / "control.pt2"))
+    runner, outputs = run_package_in_fresh_process(path, (x,), control_dir)
+    if runner.returncode != 0:
+        return f"a package without mm3 ops fails too (exit {runner.returncode}): {runner.stderr[-1500:]}"
+    ok = torch.equal(outputs[0], AtenOnly()(x).cpu())
+    return f"a package without mm3 ops loads and runs ({'matches' if ok else 'DIFFERS from'} eager)"
+
+
+@pytest.mark.gpu
+def test_gpu_aoti_package_runs_without_mm3_compile(tmp_path, device):
+    class ReadOnlyStep(torch.nn.Module):
+        """Every op but the cache write (AOTI runs on caches passed in, not on module state)."""
+
+        def forward(self, q, kv_cache, index_q, index_cache, gate_up, block_table, cu_seqlens_q, seq_lens):
+            topk_idx = torch.ops.mm3.index_topk(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, 2, 0, 1)
+            out = torch.ops.mm3.sparse_attn_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, 0.125)
+            act_values, act_scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up)
+            out_values, out_scales = torch.ops.mm3.mxfp8_quantize(out.flatten(1))
+            return (
+                out,
+                act_values.view(torch.uint8),
+                act_scales.view(torch.uint8),
+                out_values.view(torch.uint8),
+                out_scales.view(torch.uint8),
+            )
+
+    module = EveryOp(num_blocks=32, D=64, device=device)
+    batch = make_batch(module, [0, 300], [130, 40], device=device)
+    module.prefill(*batch.args())  # fill the caches
+    inputs = (
+        batch.q,
+        module.kv_cache,
+        batch.index_q,
+        module.index_cache,
+        batch.gate_up,
+        batch.block_table,
+        batch.cu_seqlens_q,
+        batch.seq_lens,
+    )
+    expected = ReadOnlyStep()(*inputs)
+    exported = torch.export.export(ReadOnlyStep(), inputs, strict=False)
+    # a compiler that links libstdc++ dynamically (package() refuses a library with a private copy)
+    with torch._inductor.config.patch({"cpp.cxx": (deploy.verified_compiler(),)}):
+        path = deploy.package(exported, tmp_path / "step.pt2", device)
+
+    with zipfile.ZipFile(path) as archive:
+        sources = "".join(
+            archive.read(n).decode(errors="ignore") for n in archive.namelist() if n.endswith((".cpp", ".h"))
+        )
+        assert sources and "aoti_torch_proxy_executor_call_function" not in sources and "mm3::" not in sources
+        attention = ("pair_keys_kernel", "kv_centric_attn_kernel", "merge_slots_kernel")
+        compiled_in = (
+            "_index_score_kernel",
+            "_index_topk_kernel",
+            *attention,
+            "_swiglu_oai_mxfp8_kernel",
+            "_mxfp8_quantize_kernel",
+        )
+        assert all(re.search(rf"call_{name}_\d+\(", sources) for name in compiled_in), (
+            "a kernel is not in the C++ wrapper"
+        )
+
+    assert deploy.package_metadata(path)["mm3_compile.platform"] == "sm_90"
+    with platform.emulate("gfx942"), pytest.raises(RuntimeError, match="gfx942"):
+        deploy.load(path, device)  # refused before the package's library is loaded
+
+    runner, outputs = run_package_in_fresh_process(path, inputs, tmp_path)
+    if runner.returncode != 0:
+        with torch._inductor.config.patch({"cpp.cxx": (deploy.verified_compiler(),)}):
+            diagnosis = control_package_diagnosis(tmp_path, device)
+        failure = f"the package failed in a fresh process (exit {runner.returncode}): {runner.stderr[-3000:]}"
+        pytest.fail(f"{failure}\n{diagnosis}")
+    for got, want in zip(outputs, expected):
+        assert torch.equal(got, want.cpu())
+    for got, want in zip(deploy.load(path, device)(*inputs), expected):
+        assert torch.equal(got, want)

@@ -51,21 +51,33 @@ Tensor parallelism: ``build_model(..., group=pg)`` keeps this rank's shard (see 
 and how to run with NCCL); everything else is unchanged.
 """
 
-from mm3_compile.models import checkpoint  # noqa: F401
-from mm3_compile.models.checkpoint import CheckpointError, full_state_from_checkpoint, load_checkpoint  # noqa: F401
-from mm3_compile.models.config import MiniMaxM3Config  # noqa: F401
-from mm3_compile.models.graphs import GraphedDecode  # noqa: F401
-from mm3_compile.models.layers import (  # noqa: F401
-    AttentionMetadata,
-    MiniMaxM3ForCausalLM,
-    build_model,
-    random_full_state,
-)
-from mm3_compile.models.reference import Comparison, ReferenceModel, compare_with_reference  # noqa: F401
-from mm3_compile.models.runtime import (  # noqa: F401
-    PagedKVRuntime,
-    StepResult,
-    WorkloadResult,
-    compile_model,
-    run_demo_workload,
-)
+from mm3_compile.models import checkpoint
+from mm3_compile.models.attention import AttentionMetadata
+from mm3_compile.models.checkpoint import CheckpointError, full_state_from_checkpoint, load_checkpoint
+from mm3_compile.models.config import MiniMaxM3Config
+from mm3_compile.models.graphs import GraphedDecode
+from mm3_compile.models.model import MiniMaxM3ForCausalLM, build_model
+from mm3_compile.models.reference import Comparison, ReferenceModel, compare_with_reference
+from mm3_compile.models.runtime import PagedKVRuntime, StepResult, WorkloadResult, compile_model, run_demo_workload
+from mm3_compile.models.weights import random_full_state
+
+__all__ = [
+    "AttentionMetadata",
+    "CheckpointError",
+    "Comparison",
+    "GraphedDecode",
+    "MiniMaxM3Config",
+    "MiniMaxM3ForCausalLM",
+    "PagedKVRuntime",
+    "ReferenceModel",
+    "StepResult",
+    "WorkloadResult",
+    "build_model",
+    "checkpoint",
+    "compare_with_reference",
+    "compile_model",
+    "full_state_from_checkpoint",
+    "load_checkpoint",
+    "random_full_state",
+    "run_demo_workload",
+]

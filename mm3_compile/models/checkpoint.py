@@ -39,7 +39,8 @@ from safetensors import safe_open
 from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 from mm3_compile.models.config import MiniMaxM3Config
-from mm3_compile.models.layers import MiniMaxM3ForCausalLM, MXFP8Weight
+from mm3_compile.models.model import MiniMaxM3ForCausalLM
+from mm3_compile.models.mxfp8 import MXFP8Weight
 from mm3_compile.models.tp import TPInfo
 
 log = logging.getLogger("mm3_compile")
@@ -401,7 +402,7 @@ def load_checkpoint(
 
 
 def full_state_from_checkpoint(path: str | os.PathLike, config: MiniMaxM3Config, dtype=torch.bfloat16) -> dict:
-    """The unsharded weights of a checkpoint under :func:`~mm3_compile.models.layers.random_full_state`'s names
+    """The unsharded weights of a checkpoint under :func:`~mm3_compile.models.weights.random_full_state`'s names
     (what the reference model and ``build_model(state=...)`` take), MXFP8 linears dequantized exactly to
     ``dtype`` (an E4M3 value times a power of two is a bf16 number).  Holds the whole model: tiny models only."""
     H, D, Didx = config.hidden_size, config.head_dim, config.index_head_dim

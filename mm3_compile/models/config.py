@@ -1,4 +1,4 @@
-"""MiniMax-M3 text-backbone configuration (spec §1) and the presets the tests and the demo use."""
+"""MiniMax-M3 text-backbone configuration and the presets the tests and the demo use."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import json
 import os
 from typing import Any
 
+from mm3_compile.contract import MX_BLOCK_SIZE, PAGE_SIZE
+
 
 @dataclasses.dataclass(frozen=True)
 class MiniMaxM3Config:
-    """Model facts the layers need; defaults are the real MiniMax-M3 values (spec §1)."""
+    """Model facts the layers need; defaults are the real MiniMax-M3 values (the release's config.json)."""
 
     hidden_size: int = 6144
     num_hidden_layers: int = 60
@@ -24,7 +26,7 @@ class MiniMaxM3Config:
     rope_theta: float = 5_000_000.0
     rms_norm_eps: float = 1e-6
 
-    sparse_block_size: int = 128  # == KV page size; the ops require 128
+    sparse_block_size: int = PAGE_SIZE  # == KV page size; the ops require it
     sparse_topk_blocks: int = 16
     sparse_init_blocks: int = 0
     sparse_local_blocks: int = 1
@@ -54,13 +56,15 @@ class MiniMaxM3Config:
             )
         if self.num_index_heads != self.num_key_value_heads:
             raise ValueError("num_index_heads must equal num_key_value_heads (one index head per KV head)")
-        if self.sparse_block_size != 128:
-            raise ValueError("sparse_block_size must be 128 (one sparse block is one KV page)")
+        if self.sparse_block_size != PAGE_SIZE:
+            raise ValueError(f"sparse_block_size must be {PAGE_SIZE} (one sparse block is one KV page)")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim or self.rotary_dim > self.index_head_dim:
             raise ValueError("rotary_dim must be even and at most head_dim and index_head_dim")
         for name in ("moe_intermediate_size", "shared_intermediate_size", "dense_intermediate_size", "hidden_size"):
-            if getattr(self, name) % 32:
-                raise ValueError(f"{name} must be a multiple of 32 (MXFP8 blocks), got {getattr(self, name)}")
+            if getattr(self, name) % MX_BLOCK_SIZE:
+                raise ValueError(
+                    f"{name} must be a multiple of {MX_BLOCK_SIZE} (MXFP8 blocks), got {getattr(self, name)}"
+                )
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128 (the attention kernels' tiles), got {self.head_dim}")
         if self.index_head_dim != self.head_dim:
@@ -125,7 +129,18 @@ class MiniMaxM3Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
-        """The config of a checkpoint directory (its ``config.json``, VL or text-only form)."""
+        """The config of a checkpoint directory (its ``config.json``, VL or text-only form).
+
+        Args:
+            path: a checkpoint directory holding ``config.json``, or the path of the json file itself.
+
+        Returns:
+            The text model's :class:`MiniMaxM3Config` (see :meth:`from_hf_config` for what is refused).
+
+        Examples:
+            >>> config = MiniMaxM3Config.from_pretrained("/models/MiniMax-M3-MXFP8")  # doctest: +SKIP
+            >>> config.num_hidden_layers, config.num_experts  # doctest: +SKIP
+        """
         file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"path: expected a checkpoint directory with config.json, got {os.fspath(path)!r}")
@@ -277,7 +292,7 @@ def _check_quantization(quant) -> None:
         raise ValueError(
             f"config: quantization_config.quant_method {quant.get('quant_method')!r} is not supported; expected 'mxfp8'"
         )
-    if list(quant.get("weight_block_size", [1, 32])) != [1, 32]:
+    if list(quant.get("weight_block_size", [1, MX_BLOCK_SIZE])) != [1, MX_BLOCK_SIZE]:
         raise ValueError(
-            f"config: quantization_config.weight_block_size {quant['weight_block_size']} is not supported; expected [1, 32]"
+            f"config: quantization_config.weight_block_size {quant['weight_block_size']} is not supported; expected [1, {MX_BLOCK_SIZE}]"
         )

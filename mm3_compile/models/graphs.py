@@ -48,7 +48,8 @@ from typing import ClassVar
 import torch
 
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.models.layers import AttentionMetadata, MiniMaxM3ForCausalLM
+from mm3_compile.models.attention import AttentionMetadata
+from mm3_compile.models.model import MiniMaxM3ForCausalLM
 from mm3_compile.models.runtime import PagedKVRuntime
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -1,4 +1,4 @@
-"""Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with layers.py.
+"""Independent pure-PyTorch reference of the M3 model: no ``mm3`` op, no kernel, no code shared with the op model.
 
 Dense fp32 math per request: explicit causal masks, a lightning indexer written as "score every key, max per
 block, sort", explicit top-k block masks, dequantized MXFP8 weights (attention projections, MLPs, experts; its own MXFP8 quantizer), contiguous
@@ -8,7 +8,7 @@ It models the network *as deployed in a model dtype*: values are rounded to the 
 op model stores a tensor (linear outputs, norm/RoPE outputs, attention output, residual stream, GEMM1 output)
 and K/V are rounded to the KV-cache storage dtype (FP8 with saturation for FP8 caches), while every
 operation in between is fp32.  So the op model and the reference see the same quantization points and differ
-only by accumulation order and the attention kernel's bf16 P (tolerances in tests/test_models.py).
+only by accumulation order and the attention kernel's bf16 P (tolerances in tests/models/test_models.py).
 
 Teacher forcing: ``step(..., forced=hiddens)`` feeds each sub-block (attention, MLP/MoE) the op model's
 input to that sub-block, so a sub-block is compared on identical inputs (a near-tie in routing or block
@@ -24,9 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from mm3_compile import platform
+from mm3_compile.contract import E8M0_BIAS, E8M0_MAX_FINITE, MX_BLOCK_SIZE, PAGE_SIZE
 from mm3_compile.models.config import MiniMaxM3Config
 
-BLOCK = 128
+BLOCK = PAGE_SIZE  # one sparse block is one KV page
 # Routing scores closer than this are a tie when comparing logits of two op-model runs (TP shards): at M3
 # widths, one-ulp bf16 changes in 2% of a router input move the scores by up to ~1e-3 (measured on random
 # weights) and swapped experts only where the gap was < 2.2e-4; about 8% of random tokens fall under 1e-3.
@@ -49,11 +50,11 @@ def mx_quant_dequant(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """MXFP8 round trip (fp32 in, fp32 out): per 32 values ``sb = clamp(ceil(log2(amax / max)) + 127, 0, 254)``,
     values ``x * 2^(127 - sb)`` saturated and rounded to the platform's MX element dtype."""
     fmt = platform.fp8_format(platform.mxfp8_value_dtype(device))
-    blocks = x.float().unflatten(-1, (-1, 32))  # [..., K/32, 32]
+    blocks = x.float().unflatten(-1, (-1, MX_BLOCK_SIZE))  # [..., K/32, 32]
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny).double()
-    sb = (torch.ceil(torch.log2(amax / fmt.max)) + 127).clamp(0, 254)
-    values = (blocks.double() * torch.exp2(127 - sb)).clamp(-fmt.max, fmt.max).float().to(fmt.dtype)
-    return (values.double() * torch.exp2(sb - 127)).float().flatten(-2)
+    sb = (torch.ceil(torch.log2(amax / fmt.max)) + E8M0_BIAS).clamp(0, E8M0_MAX_FINITE)
+    values = (blocks.double() * torch.exp2(E8M0_BIAS - sb)).clamp(-fmt.max, fmt.max).float().to(fmt.dtype)
+    return (values.double() * torch.exp2(sb - E8M0_BIAS)).float().flatten(-2)
 
 
 def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -159,8 +160,9 @@ class ReferenceModel:
 
     def reset(self, num_requests: int) -> None:
         # history[layer][request] = dict(k [L, Hkv, D], v [L, Hkv, D], ik [L, Didx]) in cache-rounded fp32
-        empty = lambda: {"k": None, "v": None, "ik": None}
-        self.history = [[empty() for _ in range(num_requests)] for _ in range(self.cfg.num_hidden_layers)]
+        self.history = [
+            [{"k": None, "v": None, "ik": None} for _ in range(num_requests)] for _ in range(self.cfg.num_hidden_layers)
+        ]
         self.seq_lens = [0] * num_requests
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,7 +288,10 @@ class ReferenceModel:
             if any(self.seq_lens):
                 raise ValueError("step: the number of requests changed mid-run")
             self.reset(len(q_lens))
-        inp = lambda i, own: own if forced is None else forced[i].to(self.device).float()
+
+        def inp(i, own):
+            return own if forced is None else forced[i].to(self.device).float()
+
         h = self._round(self.w["embed.weight"][input_ids.to(self.device)])
         hiddens, selections = [h], []
         self.route_margin, self.route_swaps, self.forced = {}, {}, forced is not None

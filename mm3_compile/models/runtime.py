@@ -11,20 +11,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from mm3_compile.lowerings import dynamic_shapes
-
-from mm3_compile import platform
-from mm3_compile.models.layers import (
-    PAGE_SIZE,
-    AttentionMetadata,
-    MiniMaxM3ForCausalLM,
-    check_uniform_decode,
-    write_index_cache,
-)
+from mm3_compile import dynamic_shapes, platform
+from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.models.attention import AttentionMetadata, check_uniform_decode, write_index_cache
+from mm3_compile.models.model import MiniMaxM3ForCausalLM
 
 
 class PagedKVRuntime:
@@ -36,6 +30,18 @@ class PagedKVRuntime:
     * index-K cache per sparse layer: ``[num_blocks, 1, 128, Didx]`` (one shared head) in the dtype the authority
       resolves for ``index_cache_dtype`` (default: the config's; "auto" = model dtype, "fp8" = its e4m3 flavour).
     Both caches of a layer use the same pages (one block table, one slot mapping).
+
+    Args:
+        model: the model whose layers get caches (its device, dtype and TP shard decide their shapes).
+        num_blocks: pages per cache (128 tokens each); max_blocks_per_request: the block table's width.
+        kv_cache_dtype: ``"auto"`` (model dtype), ``"fp8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
+        seed: seeds the random page assignment (pages are handed out in a shuffled order, like a real pool).
+        index_cache_dtype: ``"auto"`` or ``"fp8"``; default: ``model.config.index_cache_dtype``.
+
+    Examples:
+        >>> model = build_model(MiniMaxM3Config.tiny(), seed=0)
+        >>> runtime = PagedKVRuntime(model, num_blocks=16, max_blocks_per_request=4, kv_cache_dtype="fp8")
+        >>> kv, index = runtime.caches[1]  # layer 1 is sparse: [16, Hkv, 128, 2D] fp8, [16, 1, 128, Didx]
     """
 
     def __init__(
@@ -212,7 +218,21 @@ def workload_tokens(vocab_size: int, prompt_lens: Sequence[int], steps: int, see
 
 def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwargs):
     """(prefill, decode) callables compiled with ``fullgraph=True``: one graph each, no recompiles when token
-    or request counts change (the token dim of ``input_ids`` is marked dynamic like the metadata's)."""
+    or request counts change (the token dim of ``input_ids`` is marked dynamic like the metadata's).
+
+    Args:
+        model: the model to compile (``model.prefill`` and ``model.decode``).
+        backend: the ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ...).
+        **kwargs: more ``torch.compile`` arguments.
+
+    Returns:
+        ``(prefill, decode)``, each called as ``fn(input_ids, meta, caches)`` like the model's methods; they
+        refuse a call under another (real or emulated) FP8 platform than their first.
+
+    Examples:
+        >>> prefill, decode = compile_model(model)  # doctest: +SKIP
+        >>> logits, hiddens, topk = prefill(input_ids, meta, runtime.caches)  # doctest: +SKIP
+    """
 
     def dynamic_tokens(compiled, check=None):
         traced_for = []

@@ -1,6 +1,6 @@
 """Tensor parallelism for the M3 layers: how each weight is sharded and how partial sums are reduced.
 
-Sharding follows the real deployment (spec §1):
+Sharding follows the real deployment:
 
 * attention: q heads split ``Hq/tp`` per rank; KV heads split ``Hkv/tp`` per rank, or **replicated** when
   ``tp > Hkv`` (rank r holds KV head ``r * Hkv // tp``, the one its q heads use); index heads follow the KV

@@ -138,6 +138,21 @@ def index_topk(
     forced init blocks, forced local blocks, then descending block score (ties: lower id; NaN as -1e30).
     ``index_cache_dtype``: ``"auto"`` (index_q's dtype) or an FP8 spec (``"fp8"``); ``index_k_scale``: optional
     fp32 ``[num_blocks * 128]`` per-slot key scales of an FP8 cache.
+
+    Args:
+        index_q: ``[total_q, Hidx, Didx]`` bf16/fp16/fp32, packed by ``cu_seqlens_q``.
+        index_k_cache: ``[num_blocks, 128, Didx]`` in index_q's dtype, or FP8 (typed or uint8 bytes) with
+            ``index_cache_dtype="fp8"``.
+        block_table, cu_seqlens_q, seq_lens: int32 request metadata, as for ``sparse_attn_prefill``.
+        topk: blocks per list; init_blocks / local_blocks: forced leading / trailing blocks of each query.
+        index_cache_dtype: ``"auto"`` or ``"fp8"``; index_k_scale: optional ``[num_blocks * 128]`` fp32.
+
+    Returns:
+        ``[Hidx, total_q, topk]`` int32 logical block ids, ``-1`` padded.
+
+    Examples:
+        >>> topk = torch.ops.mm3.index_topk(index_q, index_cache, block_table, cu_seqlens_q, seq_lens, 16, 0, 1)
+        >>> topk.shape  # [Hidx, total_q, 16]
     """
     cache, fmt = _check_index_topk(
         index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,

@@ -91,6 +91,22 @@ def kv_cache_write(
     FP8 specs store ``x / scale`` (scalar or per (head, slot) ``[Hkv, num_blocks*128]``) rounded to
     nearest-even and saturated, in the flavour the authority gives for the cache's device.
     bf16/fp16 caches store key/value unchanged (same dtype required; scales are not applied).
+
+    Args:
+        key, value: ``[T, Hkv, D]`` in the model dtype.
+        kv_cache: ``[num_blocks, Hkv, 128, 2D]`` (HND, or an NHD buffer's permuted view), mutated in place:
+            the model dtype, an FP8 dtype, or uint8 bytes of the FP8 dtype the spec resolves to.
+        slot_mapping: ``[T]`` int32/int64 cache slots, ``< 0`` skipped.
+        kv_cache_dtype: ``"auto"``/``"model"`` (store as is), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        k_scale, v_scale: optional fp32 dequant scales, ``[1]`` or ``[Hkv, num_blocks * 128]`` (FP8 specs only).
+
+    Returns:
+        ``None`` (``kv_cache`` is written).
+
+    Examples:
+        >>> cache = torch.zeros(4, 2, 128, 128, dtype=torch.bfloat16)         # 4 pages, Hkv 2, D 64
+        >>> k = v = torch.randn(3, 2, 64, dtype=torch.bfloat16)
+        >>> torch.ops.mm3.kv_cache_write(k, v, cache, torch.tensor([0, 1, 130]))  # slot 130 = page 1, row 2
     """
     _, fmt, scale_mode = _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     require_kernel_device("key", key)

@@ -33,7 +33,23 @@ def _mx_outputs_like(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
 
 @torch.library.custom_op("mm3::mxfp8_quantize", mutates_args=())
 def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (values [..., K] in the platform MXFP8 dtype, scales [..., K/32] float8_e8m0fnu)."""
+    """OCP MX quantization of ``x`` in blocks of 32 along the last dim.
+
+    Per block ``sb = clamp(ceil(log2(amax / FP8_MAX)) + 127, 0, 254)`` (NaN ignored in the amax), values
+    ``x * 2^(127 - sb)`` rounded to nearest even and saturated (+-Inf -> +-FP8_MAX, NaN -> NaN).
+
+    Args:
+        x: ``[..., K]`` bf16 / fp16 / fp32, ``K`` a multiple of 32.
+
+    Returns:
+        ``(values [..., K]`` in the platform's MXFP8 dtype (``platform.mxfp8_value_dtype``),
+        ``scales [..., K/32]`` ``float8_e8m0fnu``).
+
+    Examples:
+        >>> values, scales = torch.ops.mm3.mxfp8_quantize(torch.randn(4, 64))
+        >>> values.shape, scales.shape
+        (torch.Size([4, 64]), torch.Size([4, 2]))
+    """
     check_tensor("x", x, min_ndim=1)
     _check_mx_input("x", x, x.shape[-1])
     require_kernel_device("x", x)
@@ -65,6 +81,20 @@ def swiglu_oai_mxfp8_quant(
     gate_up: torch.Tensor, alpha: float = 1.702, beta: float = 1.0, limit: float | None = 7.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [..., 2I] -> MXFP8 of ``min(g, limit) * sigmoid(alpha*g) * (clamp(u, +-limit) + beta)``.
+
+    Args:
+        gate_up: ``[..., 2I]`` bf16 / fp16 / fp32, gate columns then up columns; ``I`` a multiple of 32.
+        alpha, beta: the SwiGLU-OAI constants (finite).
+        limit: the clamp (>= 0), or ``None`` for no clamps.
+
+    Returns:
+        ``(values [..., I]`` platform MXFP8 dtype, ``scales [..., I/32]`` ``float8_e8m0fnu``), as
+        ``mxfp8_quantize`` of the fp32 activation.
+
+    Examples:
+        >>> values, scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(torch.randn(4, 128, dtype=torch.bfloat16))
+        >>> values.shape, scales.shape
+        (torch.Size([4, 64]), torch.Size([4, 2]))
 
     The fp32 activation is quantized by exactly the MX rule of ``mxfp8_quantize``; its sigmoid is the
     platform's ``1 / (1 + exp(-x))``, a few fp32 ulps from torch's, so against a torch reference a code

@@ -118,7 +118,25 @@ def sparse_attn_prefill(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [total_q, Hq, D] packed by cu_seqlens_q -> [total_q, Hq, D]; query i of request r sits at
-    p = seq_lens[r] - q_len_r + i and attends to keys j <= p of its first min(T, p // 128 + 1) top-k blocks."""
+    p = seq_lens[r] - q_len_r + i and attends to keys j <= p of its first min(T, p // 128 + 1) top-k blocks.
+
+    Args:
+        q: ``[total_q, Hq, D]`` bf16/fp16, ``Hq`` a multiple of ``Hkv``, D 64 or 128.
+        kv_cache: ``[num_blocks, Hkv, 128, 2D]`` as written by ``kv_cache_write`` (same ``kv_cache_dtype``).
+        topk_idx: ``[Hkv, total_q, T]`` int32 logical block ids per token and KV head (``index_topk``'s output);
+            ``-1``, repeats and ids past the token's block are ignored.
+        block_table: ``[num_reqs, max_blocks]`` int32; cu_seqlens_q: ``[num_reqs + 1]`` int32;
+            seq_lens: ``[num_reqs]`` int32 KV lengths including this chunk.
+        sm_scale: the softmax scale (usually ``D ** -0.5``).
+        kv_cache_dtype, k_scale, v_scale: as given to ``kv_cache_write``.
+
+    Returns:
+        ``[total_q, Hq, D]`` in q's dtype.
+
+    Examples:
+        >>> topk = torch.ops.mm3.index_topk(index_q, index_cache, table, cu, seq_lens, 16, 0, 1)
+        >>> out = torch.ops.mm3.sparse_attn_prefill(q, kv_cache, topk, table, cu, seq_lens, 128**-0.5, "fp8")
+    """
     view, fmt, scale_mode = _check_prefill(
         q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
@@ -151,7 +169,19 @@ def sparse_attn_decode(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Uniform decode: q [num_reqs * q_per_req, Hq, D] -> [total_q, Hq, D]; token b is offset b % q_per_req
-    of request b // q_per_req at p = seq_len - q_per_req + offset; seq_len 0 (padding) gives zeros."""
+    of request b // q_per_req at p = seq_len - q_per_req + offset; seq_len 0 (padding) gives zeros.
+
+    Args:
+        q: ``[num_reqs * q_per_req, Hq, D]``, the same number of new tokens for every request.
+        kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale: as for
+            ``sparse_attn_prefill`` (no ``cu_seqlens_q``: the batch is uniform).
+
+    Returns:
+        ``[num_reqs * q_per_req, Hq, D]`` in q's dtype.
+
+    Examples:
+        >>> out = torch.ops.mm3.sparse_attn_decode(q, kv_cache, topk, table, seq_lens, 128**-0.5)  # q [B, Hq, D]
+    """
     view, fmt, scale_mode = _check_decode(
         q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )

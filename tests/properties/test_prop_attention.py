@@ -20,11 +20,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
-from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref, sparse_attn_ref
 from tests.properties.strategies import (
     DEVICE,
     SCALE,
@@ -97,7 +97,7 @@ def attention_problems(draw, decode):
         flat[idx] = torch.tensor([0.0, -0.0, 3 * 2.0**-24, -(2.0**-20)])[torch.randint(0, 4, idx.shape, generator=g)]
     topk = torch.zeros(total_q, Hkv, T, dtype=torch.int32)
     cu = [0]
-    for s, ql in reqs:
+    for _, ql in reqs:
         cu.append(cu[-1] + ql)
     for r, (s, ql) in enumerate(reqs):
         for i in range(ql):

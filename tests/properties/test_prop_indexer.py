@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mm3_compile.kernels.indexer.naive import index_topk_ref
 
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.indexer.naive import index_topk_ref
 from tests.properties.strategies import FLOAT_DTYPES, SCALE, device_mark, examples, on_device
 
 pytestmark = device_mark()

@@ -6,17 +6,17 @@ exactly the MX rule, but its sigmoid is the platform's ``1 / (1 + exp(-x))`` (nu
 interpreter, ``ex2.approx`` on NVIDIA) while the reference uses torch's: the activations may differ
 by a few fp32 ulps, which changes an FP8 code (by one) only where the activation lies within
 ``MIDPOINT_TOLERANCE`` quanta of a rounding midpoint.  Measured: at most 9.5e-7 quanta on the
-interpreter (262,144 fp16-subnormal activations), 1.5e-6 in the issue #24 fuzz; the scales are
+interpreter (262,144 fp16-subnormal activations), 1.5e-6 in a longer fuzz run; the scales are
 always equal.
 """
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.properties.strategies import (
     DEVICE,
     FLOAT_DTYPES,
@@ -114,7 +114,7 @@ def test_swiglu_oai_mxfp8_matches_reference(target, dtype, shape, alpha, beta, l
 @settings(max_examples=examples(6))
 @given(target=targets(), data=st.data())
 def test_swiglu_fp16_subnormal_activations(target, data):
-    """Issue #24 minor item: fp16-subnormal gate/up (|x| ~ 1e-6) give activations with few significant bits,
+    """fp16-subnormal gate/up (|x| ~ 1e-6) give activations with few significant bits,
     often next to an FP8 midpoint: the flips stay within MIDPOINT_TOLERANCE."""
     rows = data.draw(st.integers(1, 64 * SCALE))
     seed = data.draw(st.integers(0, 2**31 - 1))

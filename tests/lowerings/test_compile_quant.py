@@ -5,13 +5,14 @@ import torch
 import torch._dynamo.testing
 
 from mm3_compile import platform
+from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 
 
 def quantize_moe_activation(gate_up, x):
     """A caller mixing our ops with ordinary torch code around them."""
     act_values, act_scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up * 1.5, 1.702, 1.0, 7.0)
     x_values, x_scales = torch.ops.mm3.mxfp8_quantize(x + 1)
-    dequant = act_values.float() * torch.exp2(act_scales.float() - 127).repeat_interleave(32, dim=-1)
+    dequant = act_values.float() * torch.exp2(act_scales.float() - E8M0_BIAS).repeat_interleave(MX_BLOCK_SIZE, dim=-1)
     return dequant.sum(-1), x_values, x_scales
 
 

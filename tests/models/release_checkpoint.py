@@ -1,7 +1,7 @@
 """Writes tiny synthetic checkpoints in the MiniMax-M3 release layout (names, dtypes, config.json, shards, index).
 
 Written independently of the loader: the names come from the release (see the module docstring of
-mm3_compile/models/checkpoint.py and issue 23), the MXFP8 bytes from ``mm3::mxfp8_quantize`` on the CPU (OCP
+mm3_compile/models/checkpoint.py), the MXFP8 bytes from ``mm3::mxfp8_quantize`` on the CPU (OCP
 e4m3fn values, E8M0 bytes as uint8 under ``weight_scale_inv``).
 """
 

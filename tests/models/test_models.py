@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mm3_compile import platform
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models import (
     MiniMaxM3Config,
     PagedKVRuntime,
@@ -27,7 +28,8 @@ from mm3_compile.models import (
     random_full_state,
     run_demo_workload,
 )
-from mm3_compile.models.layers import mxfp8_dequantize, route
+from mm3_compile.models.moe import route
+from mm3_compile.models.mxfp8 import mxfp8_dequantize
 from mm3_compile.models.reference import (
     ROUTE_SWAP_WINDOW,
     ReferenceModel,
@@ -38,6 +40,7 @@ from mm3_compile.models.reference import (
     sub_block_errors,
     topk_set_mismatches,
 )
+from tests.numerics import relative_error
 
 TOL = 5e-2
 GEMM_ORDER_TOL = 2e-3  # MLP/MoE sub-blocks at the same quantization points, different GEMM summation order
@@ -56,7 +59,7 @@ def test_config_real_values_and_tiny_structure():
     tiny = MiniMaxM3Config.tiny()
     assert tiny.num_attention_heads // tiny.num_key_value_heads > 1 and tiny.num_key_value_heads >= 2
     assert tiny.num_index_heads == tiny.num_key_value_heads and tiny.sparse_block_size == 128
-    assert tiny.sparse_topk_blocks < -(-max(PREFIX) // 128)  # selection really drops blocks
+    assert tiny.sparse_topk_blocks < -(-max(PREFIX) // PAGE_SIZE)  # selection really drops blocks
     assert [tiny.is_sparse_layer(i) for i in range(2)] == [False, True]
     assert MiniMaxM3Config.m3_1layer().is_sparse_layer(0)
     with pytest.raises(ValueError, match="num_index_heads"):
@@ -185,9 +188,9 @@ def _check_step(run, fn, q_lens):
     assert near_ties <= max(1, topk[0].shape[0] * topk[0].shape[1] // 4), near_ties
     assert topk[0].shape[-1] == cfg.sparse_topk_blocks
     first = topk[0][:, 0].cpu()  # [Hkv, topk] of request 0's first new token: its own block first, no padding
-    own_block = (run.runtime.seq_lens[0] - q_lens[0]) // 128
+    own_block = (run.runtime.seq_lens[0] - q_lens[0]) // PAGE_SIZE
     assert (first[:, 0] == own_block).all() and (own_block < 2 or (first >= 0).all())
-    assert (logits - expected.logits).abs().max() <= TOL * expected.logits.abs().max()
+    assert relative_error(logits, expected.logits) <= TOL
     return max(errors)
 
 
@@ -231,7 +234,10 @@ def test_eager_model_matches_reference_emulated_gfx942_fp8():
     """FNUZ platform: e4m3fnuz KV bytes and MXFP8 weights re-encoded by the authority, same numerics."""
     with platform.emulate("gfx942"):
         run = _run_chunk_then_decode("fp8", decode_steps=1)
-        assert run.runtime.storage_dtype == torch.float8_e4m3fnuz and run.runtime.caches[0][0].dtype == torch.float8_e4m3fnuz
+        assert (
+            run.runtime.storage_dtype == torch.float8_e4m3fnuz
+            and run.runtime.caches[0][0].dtype == torch.float8_e4m3fnuz
+        )
     with pytest.raises(TypeError, match="float8_e4m3fnuz"):  # read under OCP answers: refused, not reinterpreted
         run.decode(torch.zeros(2, dtype=torch.long), run.runtime.extend([1, 1]), run.runtime.caches)
 

@@ -1,6 +1,6 @@
 """Release checkpoints: HF config forms, names -> fused/stacked layout, MXFP8 as stored, TP slices, FNUZ conversion.
 
-A tiny synthetic checkpoint with the release's names and layout (tests/release_checkpoint.py) is loaded and
+A tiny synthetic checkpoint with the release's names and layout (tests/models/release_checkpoint.py) is loaded and
 compared bit for bit with the same weights loaded through the in-memory path (``build_model(state=...)``).
 """
 
@@ -17,9 +17,9 @@ from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 from mm3_compile.models import MiniMaxM3Config, build_model, checkpoint, random_full_state
 from mm3_compile.models.checkpoint import CheckpointError, full_state_from_checkpoint, load_checkpoint
-from mm3_compile.models.layers import mxfp8_dequantize
+from mm3_compile.models.mxfp8 import mxfp8_dequantize
 from mm3_compile.models.reference import mx_quant_dequant
-from tests.release_checkpoint import hf_config, write_checkpoint
+from tests.models.release_checkpoint import hf_config, write_checkpoint
 
 CONFIG = MiniMaxM3Config.tiny()
 

@@ -1,0 +1,1 @@
+"""Tests of mm3_compile/models/: config, checkpoints, the model vs its reference, CUDA graphs, TP."""
