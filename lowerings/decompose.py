@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
-from mm3_compile.kernels._launch import traced_launches
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from mm3_compile import platform
+from mm3_compile.kernels._launch import traced_launches
 
 
 def _export_keeps_custom_ops() -> bool:
@@ -62,6 +62,7 @@ def kernel_names_in(code: str) -> dict[str, int]:
     import re
 
     import triton
+
     from mm3_compile.kernels.indexer import topk
     from mm3_compile.kernels.kv_cache import write
     from mm3_compile.kernels.moe import gemm

@@ -387,8 +387,8 @@ def test_fp8_index_cache(target, device):
 def test_fp8_index_cache_write_and_scale_rule(device):
     """write_index_cache stores index_k / s in e4m3 (one scalar s per layer: sqrt(Didx) * max|1 + w| / FP8_MAX)."""
     from mm3_compile import platform
-    from mm3_compile.models.config import MiniMaxM3Config
     from mm3_compile.models.attention import M3Attention, write_index_cache
+    from mm3_compile.models.config import MiniMaxM3Config
     from mm3_compile.models.tp import TPInfo
 
     cfg = MiniMaxM3Config.tiny()

@@ -18,13 +18,13 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
-from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
-from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
-from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mm3_compile
 from mm3_compile import platform
+from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
+from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
+from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 
 E, K_TOP, H, I = 8, 2, 64, 64
 BLOCK_M = 16

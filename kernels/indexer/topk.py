@@ -40,11 +40,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.kernels._launch import empty_row_major, launch, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.kernels.packed import find_request, find_requests
-
-from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.platform import FP8Format, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance

@@ -16,11 +16,11 @@ unchanged (the op requires key/value in the cache dtype); scales only apply to F
 import torch
 import triton
 import triton.language as tl
+
+from mm3_compile.contract import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.kernels._launch import launch
 from mm3_compile.kernels.fp8 import fp8_encode, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
-
-from mm3_compile.contract import PAGE_SIZE, SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
 from mm3_compile.platform import FP8Format, hardware_vendor, interpreting
 
 PAGE = tl.constexpr(PAGE_SIZE)  # a Triton global must be a constexpr instance

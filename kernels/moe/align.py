@@ -5,6 +5,7 @@ under torch.compile they trace into the graph beside the GEMM kernels.
 """
 
 import torch
+
 from mm3_compile.kernels.moe.schedule import num_blocks
 
 

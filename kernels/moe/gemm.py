@@ -16,12 +16,12 @@ are read, once per column tile.
 import torch
 import triton
 import triton.language as tl
-from mm3_compile.kernels._launch import empty_row_major, launch
-from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
-from mm3_compile.kernels.moe.schedule import GemmConfig
 
 from mm3_compile import platform
 from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
+from mm3_compile.kernels._launch import empty_row_major, launch
+from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
+from mm3_compile.kernels.moe.schedule import GemmConfig
 from mm3_compile.platform import FP8Format
 
 MX = tl.constexpr(MX_BLOCK_SIZE)  # values per E8M0 scale (a Triton global must be a constexpr instance)

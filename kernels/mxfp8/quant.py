@@ -13,11 +13,11 @@ import struct
 import torch
 import triton
 import triton.language as tl
+
+from mm3_compile.contract import E8M0_BIAS, E8M0_MAX_FINITE, LOG2E, MX_BLOCK_SIZE
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.fp8 import FP8Launch, fp8_encode, fp8_encode_native, fp8_launch
 from mm3_compile.kernels.widen import exact_bf16, to_fp32
-
-from mm3_compile.contract import E8M0_BIAS, E8M0_MAX_FINITE, LOG2E, MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE, FP8Format, interpreting
 
 MX = tl.constexpr(MX_BLOCK_SIZE)  # values per E8M0 scale (a Triton global must be a constexpr instance)

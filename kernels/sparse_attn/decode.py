@@ -28,12 +28,12 @@ import threading
 
 import torch
 import triton
-from mm3_compile.kernels._launch import launches_traced
-from mm3_compile.kernels.sparse_attn.schedule import sm_count
-from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile import platform
+from mm3_compile.kernels._launch import launches_traced
+from mm3_compile.kernels.sparse_attn.schedule import sm_count
+from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
 
 # Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher

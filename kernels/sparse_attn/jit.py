@@ -17,11 +17,11 @@ paths see the same operands.
 
 import triton
 import triton.language as tl
-from mm3_compile.kernels.fp8 import fp8_decode
-from mm3_compile.kernels.packed import find_requests
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.fp8 import fp8_decode
+from mm3_compile.kernels.packed import find_requests
 
 PAGE = tl.constexpr(PAGE_SIZE)  # tokens per page == sparse block size (a Triton global must be a constexpr)
 # The Triton interpreter converts fp32 -> bf16 by truncation toward zero (P and the outputs came out

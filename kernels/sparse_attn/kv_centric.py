@@ -44,6 +44,8 @@ per-element instruction; the block's max |V| is one reduction per run.
 import torch
 import triton
 import triton.language as tl
+
+from mm3_compile.contract import LOG2E, SCALE_PER_TOKEN_HEAD
 from mm3_compile.kernels._launch import empty_row_major, launch
 from mm3_compile.kernels.sparse_attn import schedule
 from mm3_compile.kernels.sparse_attn.jit import (
@@ -58,8 +60,6 @@ from mm3_compile.kernels.sparse_attn.jit import (
     widen,
 )
 from mm3_compile.kernels.sparse_attn.union import kv_launch_args
-
-from mm3_compile.contract import LOG2E, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # Rows (token x query head) per tile, with 4 warps: two programs fit per SM (<= 96 KB of shared memory,

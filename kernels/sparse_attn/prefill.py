@@ -18,10 +18,10 @@ size) becomes a Python constant.
 
 import torch
 import triton
-from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
-from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 
 from mm3_compile import platform
+from mm3_compile.kernels.sparse_attn.kv_centric import sparse_attn_prefill_kv_centric
+from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format
 
 # Union walk (ROCm, and lists longer than KV_CENTRIC_MAX_SLOTS).

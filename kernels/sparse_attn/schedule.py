@@ -12,10 +12,10 @@ import os
 
 import torch
 import triton
-from mm3_compile.kernels._launch import launches_traced
 
 from mm3_compile import platform
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
+from mm3_compile.kernels._launch import launches_traced
 from mm3_compile.platform import FP8Format
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16 rows

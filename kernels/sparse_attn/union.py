@@ -27,6 +27,8 @@ selected blocks are a set (an id listed twice counts once).  Numerics: see ``jit
 import torch
 import triton
 import triton.language as tl
+
+from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.kernels._launch import launch, size_hint
 from mm3_compile.kernels.fp8 import fp8_launch
 from mm3_compile.kernels.sparse_attn import schedule
@@ -41,8 +43,6 @@ from mm3_compile.kernels.sparse_attn.jit import (
     to_model_dtype,
     widen,
 )
-
-from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.platform import FP8Format
 
 # One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer

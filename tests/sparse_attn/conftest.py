@@ -1,6 +1,7 @@
 """Fixtures of the sparse-attention tests."""
 
 import pytest
+
 from mm3_compile.kernels.sparse_attn import prefill
 
 

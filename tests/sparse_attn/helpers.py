@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from mm3_compile.kernels.sparse_attn.naive import sparse_attn_ref
 
 from mm3_compile import platform
+from mm3_compile.kernels.sparse_attn.naive import sparse_attn_ref
 
 PAGE = 128
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from mm3_compile.kernels._launch import size_hint
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
-
 from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import build
 
@@ -147,8 +147,9 @@ def test_compiled_caller_does_not_recompile_when_batch_varies(device):
 @pytest.mark.gpu
 def test_gpu_launchers_trace_with_symbolic_shapes(device):
     """make_fx(symbolic) records the kernels (wrap_triton) with symbolic token counts; the graph replays other sizes."""
-    from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
 
     def tensors(case):
         view, _ = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 import triton
+
+from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill, union
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
-
-from mm3_compile import platform
 from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import OP_SCHEDULES, SCHEDULES, assert_close, build, fill_cache
 

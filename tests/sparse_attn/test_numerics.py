@@ -20,12 +20,12 @@ import dataclasses
 
 import pytest
 import torch
+
+from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
-
-from mm3_compile import platform
 from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import DECODE_REQS, FP8_CASES, PAGE, PREFILL_REQS, SCHEDULES, assert_close, build
 

@@ -4,13 +4,13 @@ import functools
 
 import pytest
 import torch
+
+from mm3_compile import platform
 from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import kv_centric, prefill
 from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
-
-from mm3_compile import platform
 from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import assert_close, build
 
