@@ -24,8 +24,8 @@ if _importlib_util.find_spec("triton") is None:
         "extra: pip install 'mm3-compile[cpu]'"
     )
 
-from mm3_compile import ops, platform  # noqa: E402  (importing ops registers torch.ops.mm3.*)
 from mm3_compile import lowerings as _lowerings  # noqa: E402
+from mm3_compile import ops, platform  # noqa: E402  (importing ops registers torch.ops.mm3.*)
 
 _lowerings.install()
 compile_options = _lowerings.compile_options

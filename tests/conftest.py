@@ -17,7 +17,11 @@ os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 def _has_gpu() -> bool:
     if os.environ.get("MM3_TEST_DEVICE") == "cpu":
         return False
-    return shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 or os.path.exists("/dev/kfd")
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+        or os.path.exists("/dev/kfd")
+    )
 
 
 if not _has_gpu():
@@ -35,7 +39,9 @@ DEVICE = torch.device("cuda") if GPU else torch.device("cpu")
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a GPU (runs on the H200 device machine)")
-    skip_interpreter = pytest.mark.skip(reason="runs kernels on CPU tensors, which needs the Triton interpreter (off with a GPU)")
+    skip_interpreter = pytest.mark.skip(
+        reason="runs kernels on CPU tensors, which needs the Triton interpreter (off with a GPU)"
+    )
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip_gpu)

@@ -21,7 +21,9 @@ class EveryOp(torch.nn.Module):
         storage = platform.resolve_kv_cache_dtype(kv_cache_dtype, device, torch.bfloat16)
         cache_dtype = torch.uint8 if platform.is_fp8(storage) else storage  # FP8 caches are bytes
         self.register_buffer("kv_cache", torch.zeros(num_blocks, Hkv, PAGE, 2 * D, dtype=cache_dtype, device=device))
-        self.register_buffer("index_cache", torch.zeros(num_blocks, PAGE, index_dim, dtype=torch.bfloat16, device=device))
+        self.register_buffer(
+            "index_cache", torch.zeros(num_blocks, PAGE, index_dim, dtype=torch.bfloat16, device=device)
+        )
 
     def _write(self, k, v, index_k, slot_mapping):
         torch.ops.mm3.kv_cache_write(k, v, self.kv_cache, slot_mapping, self.kv_cache_dtype)
@@ -34,7 +36,9 @@ class EveryOp(torch.nn.Module):
 
     def prefill(self, q, k, v, index_q, index_k, gate_up, slot_mapping, block_table, cu_seqlens_q, seq_lens):
         self._write(k, v, index_k, slot_mapping)
-        topk_idx = torch.ops.mm3.index_topk(index_q, self.index_cache, block_table, cu_seqlens_q, seq_lens, self.topk, 0, 1)
+        topk_idx = torch.ops.mm3.index_topk(
+            index_q, self.index_cache, block_table, cu_seqlens_q, seq_lens, self.topk, 0, 1
+        )
         out = torch.ops.mm3.sparse_attn_prefill(
             q, self.kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, self.sm_scale, self.kv_cache_dtype
         )
@@ -42,7 +46,9 @@ class EveryOp(torch.nn.Module):
 
     def decode(self, q, k, v, index_q, index_k, gate_up, slot_mapping, block_table, cu_seqlens_q, seq_lens):
         self._write(k, v, index_k, slot_mapping)
-        topk_idx = torch.ops.mm3.index_topk(index_q, self.index_cache, block_table, cu_seqlens_q, seq_lens, self.topk, 0, 1)
+        topk_idx = torch.ops.mm3.index_topk(
+            index_q, self.index_cache, block_table, cu_seqlens_q, seq_lens, self.topk, 0, 1
+        )
         out = torch.ops.mm3.sparse_attn_decode(
             q, self.kv_cache, topk_idx, block_table, seq_lens, self.sm_scale, self.kv_cache_dtype
         )

@@ -309,7 +309,9 @@ def test_gpu_launcher_traces_symbolically(device):
             return c
 
         graph = make_fx(write, tracing_mode="symbolic")(key, key, cache.clone(), slots, k_scale, v_scale)
-        assert graph.code.count("torch.ops.higher_order.triton_kernel_wrapper_mutation(") == 1 and "item" not in graph.code
+        assert (
+            graph.code.count("torch.ops.higher_order.triton_kernel_wrapper_mutation(") == 1 and "item" not in graph.code
+        )
         graph(key, key, cache, slots, k_scale, v_scale)
     assert_same_bits(cache, expected)
 

@@ -47,7 +47,9 @@ def test_resolve_kv_cache_dtype_table(target, model_dtype):
 
 
 def test_unknown_spec_lists_valid_ones():
-    with pytest.raises(ValueError, match="kv_cache_dtype.*'fp8_e4m3fn'.*auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype.*'fp8_e4m3fn'.*auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2"
+    ):
         platform.resolve_kv_cache_dtype("fp8_e4m3fn", "cpu", torch.bfloat16)
 
 
@@ -133,7 +135,7 @@ def test_fp8_formats_match_torch():
     for dtype in platform.FP8_DTYPES:
         fmt = platform.fp8_format(dtype)
         assert fmt.max == torch.finfo(dtype).max
-        assert 2.0 ** fmt.min_normal_exponent == torch.finfo(dtype).smallest_normal
+        assert 2.0**fmt.min_normal_exponent == torch.finfo(dtype).smallest_normal
         # the largest code below max differs from it by one mantissa step
         grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
         finite = grid[torch.isfinite(grid)].unique()

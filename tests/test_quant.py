@@ -204,11 +204,19 @@ def test_opcheck(target, shape, device):
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda d: torch.randn(4, 48, device=d), ValueError, "x: the quantized width must be a positive multiple of 32"),
+        (
+            lambda d: torch.randn(4, 48, device=d),
+            ValueError,
+            "x: the quantized width must be a positive multiple of 32",
+        ),
         (lambda d: torch.ones(4, 64, dtype=torch.int32, device=d), TypeError, "x: expected dtype"),
         (lambda d: torch.randn(64, 4, device=d).t(), ValueError, "x: the last dim must be contiguous"),
         (lambda d: torch.randn(4, 64, device=d).to(platform.FP8_E4M3_OCP), TypeError, "x: expected dtype"),
-        (lambda d: torch.randn(4, 0, device=d), ValueError, "x: the quantized width must be a positive multiple of 32, got 0"),
+        (
+            lambda d: torch.randn(4, 0, device=d),
+            ValueError,
+            "x: the quantized width must be a positive multiple of 32, got 0",
+        ),
         (lambda d: torch.tensor(1.0, device=d), ValueError, "x: expected at least 1 dims"),
     ],
 )

@@ -7,9 +7,8 @@ specs the flavour is always the authority's answer for the cache's device, never
 import torch
 
 from mm3_compile import platform
-from mm3_compile.platform import FP8Format
-
 from mm3_compile.contract import SCALE_NONE, SCALE_PER_TOKEN_HEAD, SCALE_SCALAR
+from mm3_compile.platform import FP8Format
 
 
 def resolve_cache_view(

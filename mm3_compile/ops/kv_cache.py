@@ -9,6 +9,7 @@ write, and the kernel writes through a view of the very tensor passed (never a c
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.kv_cache import write as kernels
 from mm3_compile.ops._checks import (
@@ -19,7 +20,6 @@ from mm3_compile.ops._checks import (
     check_tensor,
     values_checked,
 )
-from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention ops read D 64/128; the index-K cache is written as two halves
@@ -58,7 +58,9 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
     check_same_device("key", key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
     cache, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, key.dtype)
     if fmt is None and cache.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"kv_cache: a non-FP8 cache must be bfloat16 or float16 (what attention reads), got {cache.dtype}")
+        raise TypeError(
+            f"kv_cache: a non-FP8 cache must be bfloat16 or float16 (what attention reads), got {cache.dtype}"
+        )
     if fmt is None and cache.dtype != key.dtype:
         # A bf16 <-> fp16/fp32 conversion would round here but not where the model wrote K/V; refuse it.
         raise TypeError(

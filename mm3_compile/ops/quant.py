@@ -8,10 +8,10 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from mm3_compile import platform
+from mm3_compile.contract import MX_BLOCK_SIZE
 from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device
 from mm3_compile.kernels.mxfp8 import quant as kernels
 from mm3_compile.ops._checks import FLOAT_DTYPES, check_finite, check_last_dim_contiguous, check_tensor
-from mm3_compile.contract import MX_BLOCK_SIZE
 from mm3_compile.platform import E8M0_DTYPE
 
 

@@ -8,10 +8,10 @@ and in the fake alike.  K/V scales apply to FP8 caches only (bf16/fp16 caches ar
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from mm3_compile.contract import LOG2E, PAGE_SIZE
 from mm3_compile.kernels._launch import eager_launches, require_kernel_device
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill as prefill_kernels
-from mm3_compile.contract import LOG2E, PAGE_SIZE
 from mm3_compile.ops._checks import (
     check_cu_seqlens_values,
     check_finite,
@@ -58,9 +58,7 @@ def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cac
     if not 1 <= Hq // Hkv <= 16:
         raise ValueError(f"q: query heads per KV head must be in [1, 16], got {Hq // Hkv}")
     if topk_idx.shape[0] != Hkv or topk_idx.shape[1] != total_q or topk_idx.shape[2] < 1:
-        raise ValueError(
-            f"topk_idx: expected shape [Hkv={Hkv}, total_q={total_q}, T>=1], got {list(topk_idx.shape)}"
-        )
+        raise ValueError(f"topk_idx: expected shape [Hkv={Hkv}, total_q={total_q}, T>=1], got {list(topk_idx.shape)}")
     num_reqs = seq_lens.shape[0]
     if block_table.shape[0] != num_reqs:
         raise ValueError(
@@ -152,7 +150,9 @@ def _(
     q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale,
     kv_cache_dtype="auto", k_scale=None, v_scale=None,
 ):  # fmt: skip
-    _check_prefill(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
+    _check_prefill(
+        q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
+    )
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mm3_compile.kernels.kv_cache.naive import kv_cache_write_ref
 
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
+from mm3_compile.kernels.kv_cache.naive import kv_cache_write_ref
 from tests.properties.strategies import (
     DEVICE,
     FLOAT_DTYPES,
