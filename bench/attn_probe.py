@@ -40,9 +40,16 @@ def copy_gbps() -> float:
 
 def decode_call(inp, s):
     return torch.ops.mm3.sparse_attn_decode(
-        s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, inp.sm_scale, inp.case.kv_cache_dtype,
-        inp.k_scale, inp.v_scale,
-    )  # fmt: skip
+        s["q"],
+        inp.cache,
+        s["topk_idx"],
+        s["block_table"],
+        inp.seq_lens,
+        inp.sm_scale,
+        inp.case.kv_cache_dtype,
+        inp.k_scale,
+        inp.v_scale,
+    )
 
 
 def graph_time_us(inp) -> tuple[float, bool]:
@@ -87,8 +94,17 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                     ok, max_err = compare(got, ref)
                     us, same = graph_time_us(inp)
                     gbps = (inp.kv_bytes + inp.io_bytes) / (us * 1e-6) / 1e9
-                    rows.append({"row": f"decode {tp} B{B} {kv}", "pdl": pdl, "ok": ok and same, "max_err": max_err,
-                                     "mean_err": float((got - ref).abs().mean()), "us": us, "pct": 100 * gbps / copy})  # fmt: skip
+                    rows.append(
+                        {
+                            "row": f"decode {tp} B{B} {kv}",
+                            "pdl": pdl,
+                            "ok": ok and same,
+                            "max_err": max_err,
+                            "mean_err": float((got - ref).abs().mean()),
+                            "us": us,
+                            "pct": 100 * gbps / copy,
+                        }
+                    )
                 del inp
                 torch.cuda.empty_cache()
     os.environ.pop("MM3_PDL", None)
@@ -103,9 +119,17 @@ def prefill_row() -> dict:
 
     def call():
         return torch.ops.mm3.sparse_attn_prefill(
-            s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.cu_seqlens_q, inp.seq_lens, inp.sm_scale,
-            inp.case.kv_cache_dtype, inp.k_scale, inp.v_scale,
-        )  # fmt: skip
+            s["q"],
+            inp.cache,
+            s["topk_idx"],
+            s["block_table"],
+            inp.cu_seqlens_q,
+            inp.seq_lens,
+            inp.sm_scale,
+            inp.case.kv_cache_dtype,
+            inp.k_scale,
+            inp.v_scale,
+        )
 
     out = call()
     tokens = sample_tokens(inp.pos.shape[0], 16, gen_seed=len(case.key))
@@ -115,8 +139,15 @@ def prefill_row() -> dict:
     ok, max_err = compare(got, ref)
     ms = triton.testing.do_bench(call, warmup=3, rep=60)
     tflops = inp.flops / (ms * 1e-3) / 1e12
-    return {"row": "prefill TP1 1x8192 bf16", "pdl": "-", "ok": ok, "max_err": max_err,
-                "mean_err": float((got - ref).abs().mean()), "us": ms * 1e3, "pct": tflops}  # fmt: skip
+    return {
+        "row": "prefill TP1 1x8192 bf16",
+        "pdl": "-",
+        "ok": ok,
+        "max_err": max_err,
+        "mean_err": float((got - ref).abs().mean()),
+        "us": ms * 1e3,
+        "pct": tflops,
+    }
 
 
 def main() -> None:
@@ -138,8 +169,10 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['row']} | {r['pdl']} | {r['ok']} | {r['max_err']:.2e} | {r['mean_err']:.2e} | "
-                     f"{r['us']:.2f} | {r['pct']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['row']} | {r['pdl']} | {r['ok']} | {r['max_err']:.2e} | {r['mean_err']:.2e} | "
+            f"{r['us']:.2f} | {r['pct']:.1f} |"
+        )
     table = "\n".join(lines)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attn_probe.md"), "w") as f:

@@ -157,18 +157,27 @@ def run(ctx: Context) -> None:
     floor_ms = floor / ctx.ceilings["copy"] / 1e6 if ctx.ceilings.get("copy") else None
     floor_note = f"HBM floor {floor / 1e9:.3g} GB" + (f" = {floor_ms:.3g} ms at the copy ceiling" if floor_ms else "")
     ctx.record(
-        **dict(base, ceiling_kind="copy"), provider="compiled", mode="launched", bytes=floor,
-        note=f"{compiled_ms / eager_ms:.2f}x eager; {floor_note}; {check.note}", **common, **rates,
-    )  # fmt: skip
+        **dict(base, ceiling_kind="copy"),
+        provider="compiled",
+        mode="launched",
+        bytes=floor,
+        note=f"{compiled_ms / eager_ms:.2f}x eager; {floor_note}; {check.note}",
+        **common,
+        **rates,
+    )
     if ctx.cuda:
         graphed_run = _graphed_workload(model, runtime, warm_fns, batch, prompt, steps)  # warm_fns: compiled already
         graph_check = _compare(graphed_run, eager)
         graph_ms = 1e3 * statistics.median(s.seconds for s in graphed_run.steps[2:])
         ctx.record(
-            **base, provider="compiled_graph", mode="graph", ms=graph_ms, us=graph_ms * 1e3,
+            **base,
+            provider="compiled_graph",
+            mode="graph",
+            ms=graph_ms,
+            us=graph_ms * 1e3,
             note=f"{graph_ms / compiled_ms:.2f}x launched compiled; {graph_check.note}",
             **dict(common, correct=graph_check.ok, max_err=graph_check.max_err, graph_replay=True),
-        )  # fmt: skip
+        )
     for provider, seconds, note in (
         ("compile_cold", first_steps(cold) - first_steps(steady), "first compiled prefill+decode minus steady state"),
         (

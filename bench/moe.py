@@ -120,9 +120,15 @@ def run(ctx: Context, moe=None) -> None:
     w2 = moe.experts.down.dequantize(torch.bfloat16).transpose(-2, -1)
     providers = [
         ("ours_compiled", ctx.compile(moe, fullgraph=True, dynamic=False)),
-        ("dequant+grouped_mm_compiled", ctx.compile(lambda x: dequant_grouped_mm(moe, x), fullgraph=True, dynamic=False)),
-        ("grouped_mm_predequantized", ctx.compile(lambda x: dequant_grouped_mm(moe, x, w1, w2), fullgraph=True, dynamic=False)),
-    ]  # fmt: skip
+        (
+            "dequant+grouped_mm_compiled",
+            ctx.compile(lambda x: dequant_grouped_mm(moe, x), fullgraph=True, dynamic=False),
+        ),
+        (
+            "grouped_mm_predequantized",
+            ctx.compile(lambda x: dequant_grouped_mm(moe, x, w1, w2), fullgraph=True, dynamic=False),
+        ),
+    ]
     for T in decode_tokens[:1] + prefill_tokens + decode_tokens[1:]:
         if ctx.budget.expired():
             ctx.record(family="moe", shape=f"T{T}", provider="(all)", mode="-", error="skipped: time budget")
@@ -141,8 +147,14 @@ def run(ctx: Context, moe=None) -> None:
         for name, fn in providers if T in (decode_tokens[0], *prefill_tokens) else providers[:1]:
             fns = [lambda x=x, fn=fn: fn(x) for x in xs]
             ctx.provider(
-                base, name, fns, lambda out, expected=expected: _compare(out, expected),
+                base,
+                name,
+                fns,
+                lambda out, expected=expected: _compare(out, expected),
                 modes=("launched",) if prefill or not ctx.cuda else ("graph",),
-                flops=flops, nbytes=None if prefill else nbytes, ceiling_kind="matmul" if prefill else "copy",
-                note=f"{active:.1f} distinct experts + shared", slow=prefill,
-            )  # fmt: skip
+                flops=flops,
+                nbytes=None if prefill else nbytes,
+                ceiling_kind="matmul" if prefill else "copy",
+                note=f"{active:.1f} distinct experts + shared",
+                slow=prefill,
+            )

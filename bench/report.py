@@ -242,8 +242,11 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
 
     def verdict(name, need, picked, measure, passes, extra="", expected=(), family=""):
         """``expected``: the (shape, kv) keys the target covers; one absent -> MISSING, never PASS."""
-        missing = [f"{shape} {kv}" for shape, kv in expected if not any(
-            r["shape"] == shape and r["kv_dtype"] == kv for r in picked)]  # fmt: skip
+        missing = [
+            f"{shape} {kv}"
+            for shape, kv in expected
+            if not any(r["shape"] == shape and r["kv_dtype"] == kv for r in picked)
+        ]
         failed = sorted(f"{shape} {kv}" for fam, shape, kv in errored if fam == family and (shape, kv) in expected)
         if not picked:
             results.append((name, need, "no rows", "MISSING"))
@@ -286,18 +289,28 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
     )
     b1 = _best_per_shape([r for r in dec if _batch(r["shape"]) == 1 and "s32768" in r["shape"]])
     verdict(
-        "decode B=1 seq 32768 (graph)", "<= 6 us per step", b1, lambda r: -r["us"], lambda r: r["us"] <= 6.0,
-        expected=[(s, kv) for s, kv in dec_shapes if _batch(s) == 1 and "s32768" in s], family="decode",
-    )  # fmt: skip
+        "decode B=1 seq 32768 (graph)",
+        "<= 6 us per step",
+        b1,
+        lambda r: -r["us"],
+        lambda r: r["us"] <= 6.0,
+        expected=[(s, kv) for s, kv in dec_shapes if _batch(s) == 1 and "s32768" in s],
+        family="decode",
+    )
 
     # Targets are judged on the targets' lists (independent picks), not the informational "share" variants.
     pre = [r for r in _ok_rows(rows, family="prefill", provider=OURS) if "share" not in r["shape"]]
     pre_shapes = _full_run_shapes("prefill")
     tp1 = _best_per_shape([r for r in pre if r["kv_dtype"] == "bf16" and r["shape"] == "TP1 1x8192"])
     verdict(
-        "prefill bf16 TP1 1x8192", ">= 245 TFLOP/s", tp1, lambda r: r["tflops"], lambda r: r["tflops"] >= 245,
-        expected=[("TP1 1x8192", "bf16")], family="prefill",
-    )  # fmt: skip
+        "prefill bf16 TP1 1x8192",
+        ">= 245 TFLOP/s",
+        tp1,
+        lambda r: r["tflops"],
+        lambda r: r["tflops"] >= 245,
+        expected=[("TP1 1x8192", "bf16")],
+        family="prefill",
+    )
     tp8 = _best_per_shape([r for r in pre if r["kv_dtype"] == "bf16" and r["shape"].startswith("TP8")])
     verdict(
         "prefill bf16 TP8 1x8192 and 4x2048+16k",
@@ -371,9 +384,13 @@ def _moe_targets(rows, verdict) -> None:
     for tokens, need_us in MOE_DECODE_US.items():
         picked = [r for r in moe if r["mode"] == "graph" and _moe_tokens(r["shape"]) == tokens]
         verdict(
-            f"MoE block {tokens} token(s), compiled (graph)", f"<= {need_us:g} us", picked, lambda r: -r["us"],
-            lambda r, need_us=need_us: r["us"] <= need_us, family="moe",
-        )  # fmt: skip
+            f"MoE block {tokens} token(s), compiled (graph)",
+            f"<= {need_us:g} us",
+            picked,
+            lambda r: -r["us"],
+            lambda r, need_us=need_us: r["us"] <= need_us,
+            family="moe",
+        )
     prefill = [dict(r) for r in moe if _moe_tokens(r["shape"]) == 8192]
     for r in prefill:
         base = [
@@ -381,10 +398,13 @@ def _moe_targets(rows, verdict) -> None:
         ]
         r["ratio"] = base[0]["ms"] / r["ms"] if base else None
     verdict(
-        "MoE prefill 8192 tokens, compiled", f">= {MOE_PREFILL_PCT:g}% of matmul and faster than dequant+grouped_mm",
-        prefill, lambda r: r["pct_of_ceiling"] or 0,
-        lambda r: (r["pct_of_ceiling"] or 0) >= MOE_PREFILL_PCT and (r["ratio"] or 0) > 1.0, family="moe",
-    )  # fmt: skip
+        "MoE prefill 8192 tokens, compiled",
+        f">= {MOE_PREFILL_PCT:g}% of matmul and faster than dequant+grouped_mm",
+        prefill,
+        lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= MOE_PREFILL_PCT and (r["ratio"] or 0) > 1.0,
+        family="moe",
+    )
 
 
 def _describe(r) -> str:

@@ -103,9 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor", help="torch.compile backend")
     demo.add_argument(
-        "--tokens", type=_count(1), default=None, help="MoE activation rows for the quant section (default: 4096 "
-        "on a GPU, 64 on the CPU)"
-    )  # fmt: skip
+        "--tokens",
+        type=_count(1),
+        default=None,
+        help="MoE activation rows for the quant section (default: 4096 on a GPU, 64 on the CPU)",
+    )
     plat = sub.add_parser(
         "platform", formatter_class=fmt, help="print the FP8 resolution table for this device and every target"
     )

@@ -120,8 +120,13 @@ def _index_args(seq_lens, q_lens, heads=2, dim=64, dtype=torch.bfloat16, junk_ta
         table[r, :n] = torch.arange(start, start + n, dtype=torch.int32)
         start += n
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return (randn(sum(q_lens), heads, dim, dtype=dtype), randn(num_pages, PAGE_SIZE, dim, dtype=dtype),
-            table.to(DEV), cu.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV))  # fmt: skip
+    return (
+        randn(sum(q_lens), heads, dim, dtype=dtype),
+        randn(num_pages, PAGE_SIZE, dim, dtype=dtype),
+        table.to(DEV),
+        cu.to(DEV),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+    )
 
 
 @call("index_topk: one token, seq_len 0 padding, topk above the blocks, junk tables, Didx 16/256, NaN")

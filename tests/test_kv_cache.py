@@ -75,8 +75,15 @@ def assert_same_bits(actual, expected):
 
 
 def run_and_check(key, value, cache, slots, spec, k_scale, v_scale, fmt):
-    expected = kv_cache_write_ref(key.cpu(), value.cpu(), cache.cpu(), slots.cpu(), fmt,
-                                  None if k_scale is None else k_scale.cpu(), None if v_scale is None else v_scale.cpu())  # fmt: skip
+    expected = kv_cache_write_ref(
+        key.cpu(),
+        value.cpu(),
+        cache.cpu(),
+        slots.cpu(),
+        fmt,
+        None if k_scale is None else k_scale.cpu(),
+        None if v_scale is None else v_scale.cpu(),
+    )
     storage_before = cache.untyped_storage().data_ptr()
     result = torch.ops.mm3.kv_cache_write(key, value, cache, slots, spec, k_scale, v_scale)
     assert result is None
@@ -113,8 +120,16 @@ def test_fp8_typed_cache_matches_reference(target, spec, key_dtype, device):
         value = wide_values((num_tokens, num_heads, head_dim), key_dtype, device, 6)
         cache = make_cache(num_blocks, num_heads, head_dim, "NHD", dtype, device)
         k_scale, v_scale = make_scales("per_token_head", num_heads, num_blocks * 128, device, 7)
-        run_and_check(key, value, cache, make_slots(num_tokens, num_blocks, device, 8), spec, k_scale, v_scale,
-                      platform.fp8_format(dtype))  # fmt: skip
+        run_and_check(
+            key,
+            value,
+            cache,
+            make_slots(num_tokens, num_blocks, device, 8),
+            spec,
+            k_scale,
+            v_scale,
+            platform.fp8_format(dtype),
+        )
         assert cache.dtype == dtype
 
 
@@ -143,9 +158,12 @@ def test_all_padding_leaves_cache_untouched(device):
 
 @pytest.mark.parametrize(
     "target, typed, wanted",
-    [("gfx942", platform.FP8_E4M3_OCP, "float8_e4m3fnuz"), ("sm_90", platform.FP8_E4M3_FNUZ, "float8_e4m3fn"),
-     ("gfx950", platform.FP8_E5M2_FNUZ, "float8_e5m2")],
-)  # fmt: skip
+    [
+        ("gfx942", platform.FP8_E4M3_OCP, "float8_e4m3fnuz"),
+        ("sm_90", platform.FP8_E4M3_FNUZ, "float8_e4m3fn"),
+        ("gfx950", platform.FP8_E5M2_FNUZ, "float8_e5m2"),
+    ],
+)
 def test_typed_cache_of_wrong_flavour_refused(target, typed, wanted, device):
     spec = "fp8_e5m2" if "e5m2" in wanted else "fp8"
     key = torch.randn(4, 1, 64, device=device, dtype=torch.bfloat16)
@@ -214,40 +232,131 @@ def _bad(**overrides):
 
 BAD_INPUTS = [
     (_bad(key=lambda d: torch.zeros(2, 64, dtype=torch.bfloat16, device=d)), ValueError, "key: expected a 3-D"),
-    (_bad(value=lambda d: torch.zeros(2, 2, 32, dtype=torch.bfloat16, device=d)), ValueError, "value: expected the shape"),
-    (_bad(value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d)), TypeError, "value: expected the dtype"),
-    (_bad(key=lambda d: torch.zeros(2, 2, 96, dtype=torch.bfloat16, device=d),
-          value=lambda d: torch.zeros(2, 2, 96, dtype=torch.bfloat16, device=d)), ValueError, "head dim D must be one of"),
-    (_bad(key=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
-          value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d)), TypeError, "kv_cache: .*needs a torch.float16"),
-    (_bad(kv_cache_dtype="bfloat16", key=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
-          value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d)), TypeError, "key/value must already be"),
-    (_bad(kv_cache=lambda d: torch.zeros(2, 3, 128, 128, dtype=torch.bfloat16, device=d)), ValueError, "kv_cache: expected logical"),
-    (_bad(kv_cache=lambda d: torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16, device=d)), ValueError, "kv_cache: expected logical"),
-    (_bad(kv_cache=lambda d: torch.zeros(2, 2, 128, dtype=torch.bfloat16, device=d)), ValueError, "kv_cache: expected a 4-D"),
-    (_bad(kv_cache=lambda d: torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16, device=d)[..., ::2]), ValueError, "kv_cache: the last dim"),
-    (_bad(slot_mapping=lambda d: torch.tensor([0, 1], dtype=torch.int32, device=d)), TypeError, "slot_mapping: expected dtype"),
-    (_bad(slot_mapping=lambda d: torch.tensor([0, 1, 2], dtype=torch.int64, device=d)), ValueError, "slot_mapping: expected 2 slots"),
+    (
+        _bad(value=lambda d: torch.zeros(2, 2, 32, dtype=torch.bfloat16, device=d)),
+        ValueError,
+        "value: expected the shape",
+    ),
+    (
+        _bad(value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d)),
+        TypeError,
+        "value: expected the dtype",
+    ),
+    (
+        _bad(
+            key=lambda d: torch.zeros(2, 2, 96, dtype=torch.bfloat16, device=d),
+            value=lambda d: torch.zeros(2, 2, 96, dtype=torch.bfloat16, device=d),
+        ),
+        ValueError,
+        "head dim D must be one of",
+    ),
+    (
+        _bad(
+            key=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
+            value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
+        ),
+        TypeError,
+        "kv_cache: .*needs a torch.float16",
+    ),
+    (
+        _bad(
+            kv_cache_dtype="bfloat16",
+            key=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
+            value=lambda d: torch.zeros(2, 2, 64, dtype=torch.float16, device=d),
+        ),
+        TypeError,
+        "key/value must already be",
+    ),
+    (
+        _bad(kv_cache=lambda d: torch.zeros(2, 3, 128, 128, dtype=torch.bfloat16, device=d)),
+        ValueError,
+        "kv_cache: expected logical",
+    ),
+    (
+        _bad(kv_cache=lambda d: torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16, device=d)),
+        ValueError,
+        "kv_cache: expected logical",
+    ),
+    (
+        _bad(kv_cache=lambda d: torch.zeros(2, 2, 128, dtype=torch.bfloat16, device=d)),
+        ValueError,
+        "kv_cache: expected a 4-D",
+    ),
+    (
+        _bad(kv_cache=lambda d: torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16, device=d)[..., ::2]),
+        ValueError,
+        "kv_cache: the last dim",
+    ),
+    (
+        _bad(slot_mapping=lambda d: torch.tensor([0, 1], dtype=torch.int32, device=d)),
+        TypeError,
+        "slot_mapping: expected dtype",
+    ),
+    (
+        _bad(slot_mapping=lambda d: torch.tensor([0, 1, 2], dtype=torch.int64, device=d)),
+        ValueError,
+        "slot_mapping: expected 2 slots",
+    ),
     (_bad(kv_cache_dtype="fp4"), ValueError, "kv_cache_dtype: unknown spec"),
-    (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
-          k_scale=lambda d: torch.ones(1, device=d)), ValueError, "pass both or neither"),
-    (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
-          k_scale=lambda d: torch.ones(2, 128, device=d), v_scale=lambda d: torch.ones(2, 128, device=d)),
-     ValueError, r"k_scale: expected one element .*\[2, 256\]"),
-    (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
-          k_scale=lambda d: torch.ones(1, dtype=torch.float64, device=d), v_scale=lambda d: torch.ones(1, device=d)),
-     TypeError, "k_scale: expected a float32"),
-    (_bad(kv_cache_dtype="fp8", kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
-          k_scale=lambda d: torch.ones(1, device=d), v_scale=lambda d: torch.ones(2, 256, device=d)),
-     ValueError, r"k_scale/v_scale: both must be one element .* got \[1\] and \[2, 256\]"),
-    (_bad(slot_mapping=lambda d: torch.tensor([0, 9, 1, 9], dtype=torch.int64, device=d)[::2]),
-     ValueError, r"slot_mapping: expected a contiguous 1-D tensor \(stride 1\), got strides \(2,\)"),
-    (_bad(kv_cache=lambda d: torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16, device=d).expand(3, -1, -1, -1)),
-     ValueError, "kv_cache: a dim of stride 0 makes entries share memory"),
-    (_bad(key=lambda d: torch.zeros(2, 2, 64, device=d), value=lambda d: torch.zeros(2, 2, 64, device=d),
-          kv_cache=lambda d: torch.zeros(2, 2, 128, 128, device=d)),
-     TypeError, "kv_cache: a non-FP8 cache must be bfloat16 or float16"),
-]  # fmt: skip
+    (
+        _bad(
+            kv_cache_dtype="fp8",
+            kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
+            k_scale=lambda d: torch.ones(1, device=d),
+        ),
+        ValueError,
+        "pass both or neither",
+    ),
+    (
+        _bad(
+            kv_cache_dtype="fp8",
+            kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
+            k_scale=lambda d: torch.ones(2, 128, device=d),
+            v_scale=lambda d: torch.ones(2, 128, device=d),
+        ),
+        ValueError,
+        r"k_scale: expected one element .*\[2, 256\]",
+    ),
+    (
+        _bad(
+            kv_cache_dtype="fp8",
+            kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
+            k_scale=lambda d: torch.ones(1, dtype=torch.float64, device=d),
+            v_scale=lambda d: torch.ones(1, device=d),
+        ),
+        TypeError,
+        "k_scale: expected a float32",
+    ),
+    (
+        _bad(
+            kv_cache_dtype="fp8",
+            kv_cache=lambda d: torch.zeros(2, 2, 128, 128, dtype=torch.uint8, device=d),
+            k_scale=lambda d: torch.ones(1, device=d),
+            v_scale=lambda d: torch.ones(2, 256, device=d),
+        ),
+        ValueError,
+        r"k_scale/v_scale: both must be one element .* got \[1\] and \[2, 256\]",
+    ),
+    (
+        _bad(slot_mapping=lambda d: torch.tensor([0, 9, 1, 9], dtype=torch.int64, device=d)[::2]),
+        ValueError,
+        r"slot_mapping: expected a contiguous 1-D tensor \(stride 1\), got strides \(2,\)",
+    ),
+    (
+        _bad(kv_cache=lambda d: torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16, device=d).expand(3, -1, -1, -1)),
+        ValueError,
+        "kv_cache: a dim of stride 0 makes entries share memory",
+    ),
+    (
+        _bad(
+            key=lambda d: torch.zeros(2, 2, 64, device=d),
+            value=lambda d: torch.zeros(2, 2, 64, device=d),
+            kv_cache=lambda d: torch.zeros(2, 2, 128, 128, device=d),
+        ),
+        TypeError,
+        "kv_cache: a non-FP8 cache must be bfloat16 or float16",
+    ),
+]
 
 
 def test_slot_past_the_cache_is_refused(device, monkeypatch):

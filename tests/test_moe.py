@@ -198,9 +198,10 @@ def test_opcheck():
     )
     torch.library.opcheck(torch.ops.mm3.mxfp8_linear.default, (x, v2[0], s2[0]), test_utils=tests)
     torch.library.opcheck(
-        torch.ops.mm3.moe_experts.default, (x, ids, torch.rand(3, K_TOP), v1, s1, v2, s2, 1.702, 1.0, 7.0),
+        torch.ops.mm3.moe_experts.default,
+        (x, ids, torch.rand(3, K_TOP), v1, s1, v2, s2, 1.702, 1.0, 7.0),
         test_utils=tests,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("fake", [False, True])
@@ -211,13 +212,25 @@ def test_bad_inputs_name_the_argument(fake):
     cases = [
         (lambda: torch.ops.mm3.moe_align(ids.float(), E, BLOCK_M), TypeError, "ids"),
         (lambda: torch.ops.mm3.moe_align(ids, E, 24), ValueError, "block_m"),
-        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1.float(), s1, pairs, blocks, BLOCK_M, K_TOP), TypeError, "w_values"),
-        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1[..., :1], pairs, blocks, BLOCK_M, K_TOP), ValueError, "w_scales"),
+        (
+            lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1.float(), s1, pairs, blocks, BLOCK_M, K_TOP),
+            TypeError,
+            "w_values",
+        ),
+        (
+            lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1[..., :1], pairs, blocks, BLOCK_M, K_TOP),
+            ValueError,
+            "w_scales",
+        ),
         (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x[:, :32], v1, s1, pairs, blocks, BLOCK_M, K_TOP), ValueError, "x"),
-        (lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs[:-1], blocks, BLOCK_M, K_TOP), ValueError, "sorted_pairs"),
+        (
+            lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs[:-1], blocks, BLOCK_M, K_TOP),
+            ValueError,
+            "sorted_pairs",
+        ),
         (lambda: torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0].T), ValueError, "scales"),
         (lambda: torch.ops.mm3.mxfp8_linear(x.int(), v1[0], s1[0]), TypeError, "x"),
-    ]  # fmt: skip
+    ]
     for call, error, name in cases:
         if fake:
             with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=rf"^{name}:"):

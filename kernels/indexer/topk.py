@@ -272,16 +272,46 @@ def _index_score_kernel(
         for b in range(lo, tl.minimum(hi, full_end)):
             page = tl.load(bt_ptr + b * stride_btb)
             best = _page_scores(
-                q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, False, DIDX, BLOCK_D,
-                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8,
-            )  # fmt: skip
+                q,
+                k_ptr,
+                k_scale_ptr,
+                page,
+                num_pages,
+                b * PAGE,
+                pos,
+                stride_kb,
+                stride_kp,
+                False,
+                DIDX,
+                BLOCK_D,
+                K_MODE,
+                HAS_K_SCALE,
+                FP32_DOT,
+                KEYS_MAJOR,
+                FP8,
+            )
             tl.store(s_ptrs + b, best, mask=row_ok)
         for b in range(tl.maximum(lo, full_end), hi):
             page = tl.load(bt_ptr + b * stride_btb)
             best = _page_scores(
-                q, k_ptr, k_scale_ptr, page, num_pages, b * PAGE, pos, stride_kb, stride_kp, True, DIDX, BLOCK_D,
-                K_MODE, HAS_K_SCALE, FP32_DOT, KEYS_MAJOR, FP8,
-            )  # fmt: skip
+                q,
+                k_ptr,
+                k_scale_ptr,
+                page,
+                num_pages,
+                b * PAGE,
+                pos,
+                stride_kb,
+                stride_kp,
+                True,
+                DIDX,
+                BLOCK_D,
+                K_MODE,
+                HAS_K_SCALE,
+                FP32_DOT,
+                KEYS_MAJOR,
+                FP8,
+            )
             tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
 
 
@@ -416,21 +446,60 @@ def index_topk(
         tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_t - 1) // block_t, 0), (1, 0)).to(torch.int32)
         tiles = triton.cdiv(total_q, block_t) + num_reqs
     launch(
-        _index_score_kernel, (tiles, schedule.chunks),
-        q_arg, k_arg, k_scale if k_scale is not None else scores, block_table, cu_seqlens_q, seq_lens, tile_cu, scores,
-        num_reqs, total_q, index_k_cache.shape[0],
-        index_q.stride(0), index_q.stride(1), index_k_cache.stride(0), index_k_cache.stride(1),
-        block_table.stride(0), block_table.stride(1), score_row // 16,
-        HIDX=num_heads, DIDX=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=block_t,
-        ROWS=schedule.rows(num_heads), Q_MODE=q_mode, K_MODE=k_mode, HAS_K_SCALE=k_scale is not None,
-        FP32_DOT=fp32_dot, KEYS_MAJOR=schedule.keys_major, **fp8.constexprs(),
-        num_warps=schedule.score_warps, num_stages=schedule.score_stages,
-    )  # fmt: skip
+        _index_score_kernel,
+        (tiles, schedule.chunks),
+        q_arg,
+        k_arg,
+        k_scale if k_scale is not None else scores,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        tile_cu,
+        scores,
+        num_reqs,
+        total_q,
+        index_k_cache.shape[0],
+        index_q.stride(0),
+        index_q.stride(1),
+        index_k_cache.stride(0),
+        index_k_cache.stride(1),
+        block_table.stride(0),
+        block_table.stride(1),
+        score_row // 16,
+        HIDX=num_heads,
+        DIDX=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_T=block_t,
+        ROWS=schedule.rows(num_heads),
+        Q_MODE=q_mode,
+        K_MODE=k_mode,
+        HAS_K_SCALE=k_scale is not None,
+        FP32_DOT=fp32_dot,
+        KEYS_MAJOR=schedule.keys_major,
+        **fp8.constexprs(),
+        num_warps=schedule.score_warps,
+        num_stages=schedule.score_stages,
+    )
     out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
     launch(
-        _index_topk_kernel, (triton.cdiv(num_heads * total_q, schedule.topk_rows),),
-        scores, cu_seqlens_q, seq_lens, out, num_reqs, total_q, num_heads * total_q, max_blocks, init_blocks,
-        local_blocks, score_row // 16, out.stride(0), out.stride(1),
-        TOPK=topk, ROWS=schedule.topk_rows, BLOCK_N=schedule.topk_block_n, num_warps=schedule.topk_warps,
-    )  # fmt: skip
+        _index_topk_kernel,
+        (triton.cdiv(num_heads * total_q, schedule.topk_rows),),
+        scores,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        num_reqs,
+        total_q,
+        num_heads * total_q,
+        max_blocks,
+        init_blocks,
+        local_blocks,
+        score_row // 16,
+        out.stride(0),
+        out.stride(1),
+        TOPK=topk,
+        ROWS=schedule.topk_rows,
+        BLOCK_N=schedule.topk_block_n,
+        num_warps=schedule.topk_warps,
+    )
     return out

@@ -130,9 +130,10 @@ def _mxfp8_gemm_kernel(
             if X_MX:
                 x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
                 x_sb = tl.load(
-                    x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :],
+                    x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :],
+                    mask=valid[:, None] & kb_ok[None, :],
                     other=0,
-                )  # fmt: skip
+                )
                 xt = _mx_tile(x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             else:
                 xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
@@ -191,13 +192,29 @@ def mxfp8_gemm(
     dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
     grid = (nb, triton.cdiv(N, config.BLOCK_N))
     launch(
-        _mxfp8_gemm_kernel, grid, xk, x_scales if x_scales is not None else dummy, w, scales, out,
-        sorted_pairs if grouped else dummy, block_expert if grouped else dummy,
+        _mxfp8_gemm_kernel,
+        grid,
+        xk,
+        x_scales if x_scales is not None else dummy,
+        w,
+        scales,
+        out,
+        sorted_pairs if grouped else dummy,
+        block_expert if grouped else dummy,
         pair_weights if pair_weights is not None else dummy,
-        rows, E, _units(N, "N"), K // MX_BLOCK_SIZE,
-        GROUPED=grouped, TOP_K=top_k, X_MX=x_scales is not None, HAS_WEIGHTS=pair_weights is not None,
-        ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16, INT_ROUND=platform.interpreting(),
-        BLOCK_M=config.BLOCK_M, DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
-        **config.launch_options(), **fp8.constexprs(),
-    )  # fmt: skip
+        rows,
+        E,
+        _units(N, "N"),
+        K // MX_BLOCK_SIZE,
+        GROUPED=grouped,
+        TOP_K=top_k,
+        X_MX=x_scales is not None,
+        HAS_WEIGHTS=pair_weights is not None,
+        ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16,
+        INT_ROUND=platform.interpreting(),
+        BLOCK_M=config.BLOCK_M,
+        DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
+        **config.launch_options(),
+        **fp8.constexprs(),
+    )
     return out

@@ -105,9 +105,13 @@ def _mxfp8_quantize_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, FP8_NATIVE_STORE: tl.constexpr,
-):  # fmt: skip
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
+):
     K = k_blocks * MX  # sizes rebuilt from units: the compiler sees their alignment (see _row_units)
     stride_xm = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)
@@ -137,9 +141,13 @@ def _swiglu_oai_mxfp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EXACT_BF16: tl.constexpr,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, FP8_NATIVE_STORE: tl.constexpr,
-):  # fmt: skip
+    MAX_EXP: tl.constexpr,
+    MAX_MANT: tl.constexpr,  # quant_constexprs: FP8_MAX's fp32 fields, the FP8 launch constants
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    FP8_NATIVE_STORE: tl.constexpr,
+):
     I = i_blocks * MX
     stride_m = stride_units * ROW_ALIGN
     pid_m = tl.program_id(0)
@@ -212,9 +220,18 @@ def mxfp8_quantize(x: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(K, tile["BLOCK_K"]))
     units, align = _row_units(x2.stride(0))
     launch(
-        _mxfp8_quantize_kernel, grid, x2, values, scales, M, K // MX_BLOCK_SIZE, units, ROW_ALIGN=align,
-        **tile, **quant_constexprs(fp8_launch(fmt, values)),
-    )  # fmt: skip
+        _mxfp8_quantize_kernel,
+        grid,
+        x2,
+        values,
+        scales,
+        M,
+        K // MX_BLOCK_SIZE,
+        units,
+        ROW_ALIGN=align,
+        **tile,
+        **quant_constexprs(fp8_launch(fmt, values)),
+    )
     return (
         values.view(fmt.dtype).view(x.shape),
         scales.view(E8M0_DTYPE).view(*x.shape[:-1], K // MX_BLOCK_SIZE),
@@ -233,10 +250,21 @@ def swiglu_oai_mxfp8_quant(
     grid = (triton.cdiv(M, tile["BLOCK_M"]), triton.cdiv(I, tile["BLOCK_K"]))
     units, align = _row_units(g2.stride(0))
     launch(
-        _swiglu_oai_mxfp8_kernel, grid, g2, values, scales, M, I // MX_BLOCK_SIZE, units,
-        float(alpha), float(beta), float(limit if limit is not None else 0.0), HAS_LIMIT=limit is not None,
+        _swiglu_oai_mxfp8_kernel,
+        grid,
+        g2,
+        values,
+        scales,
+        M,
+        I // MX_BLOCK_SIZE,
+        units,
+        float(alpha),
+        float(beta),
+        float(limit if limit is not None else 0.0),
+        HAS_LIMIT=limit is not None,
         ROW_ALIGN=align,
-        **tile, **quant_constexprs(fp8_launch(fmt, values)),
-    )  # fmt: skip
+        **tile,
+        **quant_constexprs(fp8_launch(fmt, values)),
+    )
     lead = gate_up.shape[:-1]
     return values.view(fmt.dtype).view(*lead, I), scales.view(E8M0_DTYPE).view(*lead, I // MX_BLOCK_SIZE)

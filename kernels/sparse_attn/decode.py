@@ -130,8 +130,22 @@ def sparse_attn_decode(
         arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q)  # one per (tile, KV head)
         split_buffers = (o_partial, lse, arrivals)
     launch_sparse_attn(
-        q, kv_cache, fmt, topk_idx, block_table, None, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        out, split_buffers, q_per_req=q_per_req, num_splits=num_splits, blocks_per_split=blocks_per_split,
+        q,
+        kv_cache,
+        fmt,
+        topk_idx,
+        block_table,
+        None,
+        seq_lens,
+        sm_scale,
+        k_scale,
+        v_scale,
+        scale_mode,
+        out,
+        split_buffers,
+        q_per_req=q_per_req,
+        num_splits=num_splits,
+        blocks_per_split=blocks_per_split,
         block_q=block_q,
-    )  # fmt: skip
+    )
     return out

@@ -99,10 +99,20 @@ def load_block(
     k_scale_ptr,
     v_scale_ptr,
     kv_head,
-    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr, MODEL_DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
-):  # fmt: skip
+    stride_kb,
+    stride_kt,
+    stride_ksh,
+    stride_kss,
+    stride_vsh,
+    stride_vss,
+    D: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
+):
     """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
     loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
     and unscaled, in fp16 (the caller folds the scales into the logit factor and the output)."""
@@ -119,13 +129,25 @@ def load_block(
     tile_scale_mode: tl.constexpr = 0 if FP16_DOTS else SCALE_MODE
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     k = load_kv_tile(
-        base[None, :] + dims[:, None], key_ok[None, :], ks,
-        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
-    )  # [D, 128]  # fmt: skip
+        base[None, :] + dims[:, None],
+        key_ok[None, :],
+        ks,
+        tile_dtype,
+        FP8,
+        FP8_NATIVE_LOAD,
+        tile_scale_mode,
+        DOT_FP32,
+    )  # [D, 128]
     v = load_kv_tile(
-        base[:, None] + D + dims[None, :], key_ok[:, None], vs,
-        tile_dtype, FP8, FP8_NATIVE_LOAD, tile_scale_mode, DOT_FP32,
-    )  # [128, D]  # fmt: skip
+        base[:, None] + D + dims[None, :],
+        key_ok[:, None],
+        vs,
+        tile_dtype,
+        FP8,
+        FP8_NATIVE_LOAD,
+        tile_scale_mode,
+        DOT_FP32,
+    )  # [128, D]
     return k, v
 
 
@@ -179,16 +201,44 @@ def attend_block(
     v_scale_ptr,
     kv_head,
     qk_scale,
-    stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-    D: tl.constexpr, MODEL_DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    FP16_DOTS: tl.constexpr, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
-):  # fmt: skip
+    stride_kb,
+    stride_kt,
+    stride_ksh,
+    stride_kss,
+    stride_vsh,
+    stride_vss,
+    D: tl.constexpr,
+    MODEL_DTYPE: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
+):
     """One 128-key block: load it, then the online-softmax update (see ``load_block``, ``attend_loaded``)."""
     k, v = load_block(
-        head_base, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr, kv_head,
-        stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-        D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
-    )  # fmt: skip
+        head_base,
+        page,
+        key_ok,
+        k_scale,
+        v_scale,
+        k_scale_ptr,
+        v_scale_ptr,
+        kv_head,
+        stride_kb,
+        stride_kt,
+        stride_ksh,
+        stride_kss,
+        stride_vsh,
+        stride_vss,
+        D,
+        MODEL_DTYPE,
+        SCALE_MODE,
+        DOT_FP32,
+        FP16_DOTS,
+        FP8,
+        FP8_NATIVE_LOAD,
+    )
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     return attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
 
@@ -228,24 +278,40 @@ def slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T):
 
 @triton.jit
 def select_slots(
-    topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
-    stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb,
+    topk_ptr,
+    block_table_ptr,
+    kv_head,
+    token,
+    req,
+    last_block,
+    n_slots,
+    num_blocks,
+    max_blocks,
+    stride_tkh,
+    stride_tkt,
+    stride_tks,
+    stride_btr,
+    stride_btb,
     BLOCK_T: tl.constexpr,
-):  # fmt: skip
+):
     """The contract's slot rule for rows of tokens (``token``, ``req``, ``last_block = p // 128``,
     ``n_slots = min(T, p // 128 + 1)``, all [R]): ids [R, BLOCK_T] (-1 past n_slots), their pages, and
     which are valid (id in [0, p // 128] and inside the table, page inside the cache).  Masked, never
     dereferenced: slots past n_slots, invalid ids, pages outside the cache.  Repeats are the caller's."""
     slots = tl.arange(0, BLOCK_T)
     ids = tl.load(
-        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token[:, None].to(tl.int64) * stride_tkt
+        topk_ptr
+        + kv_head.to(tl.int64) * stride_tkh
+        + token[:, None].to(tl.int64) * stride_tkt
         + slots[None, :] * stride_tks,
-        mask=slots[None, :] < n_slots[:, None], other=-1,
-    )  # fmt: skip
+        mask=slots[None, :] < n_slots[:, None],
+        other=-1,
+    )
     valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
     pages = tl.load(
         block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
-        mask=valid, other=-1,
-    )  # fmt: skip
+        mask=valid,
+        other=-1,
+    )
     valid = valid & (pages >= 0) & (pages < num_blocks)
     return ids, pages, valid

@@ -90,11 +90,14 @@ def pair_keys_kernel(
     max_blocks,
     T,
     uncounted,  # the key of a pair that does not count: 2 * groups
-    stride_tkh, stride_tkt, stride_tks,
-    stride_btr, stride_btb,
+    stride_tkh,
+    stride_tkt,
+    stride_tks,
+    stride_btr,
+    stride_btb,
     BLOCK_TOK: tl.constexpr,
     BLOCK_T: tl.constexpr,
-):  # fmt: skip
+):
     kv_head = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     token_ok = tokens < total_q
@@ -104,9 +107,22 @@ def pair_keys_kernel(
     pos, last_block, n_slots = slot_window(seq_lens_ptr, req, q_len, offset, packed, T)  # [BLOCK_TOK] each
     slots = tl.arange(0, BLOCK_T)
     ids, _, valid = select_slots(
-        topk_ptr, block_table_ptr, kv_head, tokens, req, last_block, n_slots, num_blocks, max_blocks,
-        stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
-    )  # [BLOCK_TOK, BLOCK_T] each  # fmt: skip
+        topk_ptr,
+        block_table_ptr,
+        kv_head,
+        tokens,
+        req,
+        last_block,
+        n_slots,
+        num_blocks,
+        max_blocks,
+        stride_tkh,
+        stride_tkt,
+        stride_tks,
+        stride_btr,
+        stride_btb,
+        BLOCK_T,
+    )  # [BLOCK_TOK, BLOCK_T] each
     earlier = slots[None, None, :] < slots[None, :, None]  # [1, BLOCK_T (slot), BLOCK_T (earlier slot)]
     repeat = tl.max(((ids[:, None, :] == ids[:, :, None]) & earlier).to(tl.int32), axis=2) > 0
     group = (kv_head * num_reqs + req[:, None]) * max_blocks + ids
@@ -201,11 +217,17 @@ def kv_centric_attn_kernel(
     num_reqs,
     max_blocks,
     qk_scale,
-    stride_qt, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_btr, stride_btb,
-    stride_ksh, stride_kss,
-    stride_vsh, stride_vss,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_btr,
+    stride_btb,
+    stride_ksh,
+    stride_kss,
+    stride_vsh,
+    stride_vss,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -219,7 +241,7 @@ def kv_centric_attn_kernel(
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, k_scale folded
-):  # fmt: skip
+):
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
@@ -253,10 +275,28 @@ def kv_centric_attn_kernel(
         key_pos = block * PAGE + offs  # [128] logical positions
         key_ok = key_pos < tl.load(seq_lens_ptr + req)
         k, v = load_block(
-            kv_ptr + kv_head.to(tl.int64) * stride_kh, page, key_ok, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
-            kv_head, stride_kb, stride_kt, stride_ksh, stride_kss, stride_vsh, stride_vss,
-            D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FOLD_SCALES, FP8, FP8_NATIVE_LOAD,
-        )  # [D, 128], [128, D]: loaded and converted once for the run  # fmt: skip
+            kv_ptr + kv_head.to(tl.int64) * stride_kh,
+            page,
+            key_ok,
+            k_scale,
+            v_scale,
+            k_scale_ptr,
+            v_scale_ptr,
+            kv_head,
+            stride_kb,
+            stride_kt,
+            stride_ksh,
+            stride_kss,
+            stride_vsh,
+            stride_vss,
+            D,
+            MODEL_DTYPE,
+            SCALE_MODE,
+            DOT_FP32,
+            FOLD_SCALES,
+            FP8,
+            FP8_NATIVE_LOAD,
+        )  # [D, 128], [128, D]: loaded and converted once for the run
         if negate_k:
             k = -k
         v_shift = v_partial_shift(v)
@@ -270,8 +310,11 @@ def kv_centric_attn_kernel(
         token = (flat >> SLOT_BITS) - head_tokens
         member = run_first + pair_row < run_end
         pos = tl.load(pos_ptr + token, mask=member, other=-1)
-        q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                    mask=(member & (head_in_group < G))[:, None], other=0.0)  # [BLOCK_M, D]  # fmt: skip
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            mask=(member & (head_in_group < G))[:, None],
+            other=0.0,
+        )  # [BLOCK_M, D]
         next_entry = run_first + BLOCK_TOK + pair_row
         next_flat = tl.load(order_ptr + start + next_entry, mask=next_entry < run_end, other=0)
         for tile_first in tl.range(run_first, run_end, BLOCK_TOK, num_stages=1):
@@ -286,8 +329,11 @@ def kv_centric_attn_kernel(
             next_token = (next_flat >> SLOT_BITS) - head_tokens
             next_member = tile_first + BLOCK_TOK + pair_row < run_end
             pos_next = tl.load(pos_ptr + next_token, mask=next_member, other=-1)
-            q = tl.load(q_ptr + next_token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                        mask=(next_member & (head_in_group < G))[:, None], other=0.0)  # fmt: skip
+            q = tl.load(
+                q_ptr + next_token[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=(next_member & (head_in_group < G))[:, None],
+                other=0.0,
+            )
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             o, lse, unscale = _attend_tile(
@@ -295,8 +341,11 @@ def kv_centric_attn_kernel(
             )
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(unscale_ptr + part_row, unscale, mask=row_mask)
-            tl.store(partial_ptr + part_row[:, None] * D + dims[None, :],
-                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
+            tl.store(
+                partial_ptr + part_row[:, None] * D + dims[None, :],
+                to_model_dtype(o, partial_ptr.dtype.element_ty),
+                mask=row_mask[:, None],
+            )
             flat = next_flat
             token = next_token
             member = next_member
@@ -331,24 +380,28 @@ def merge_slots_kernel(
     kv_head = (rows - token * Hq) // G
     rows = rows.to(tl.int64)
     slots = tl.arange(0, BLOCK_T)
-    keys = tl.load(keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :],
-                   mask=row_mask[:, None], other=uncounted)  # [BLOCK_R, BLOCK_T]  # fmt: skip
+    keys = tl.load(
+        keys_ptr + (kv_head.to(tl.int64) * total_q + token)[:, None] * BLOCK_T + slots[None, :],
+        mask=row_mask[:, None],
+        other=uncounted,
+    )  # [BLOCK_R, BLOCK_T]
     counted = keys < uncounted
-    lse = tl.load(lse_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted,
-                  other=float("-inf"))  # fmt: skip
+    lse = tl.load(lse_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted, other=float("-inf"))
     lse_max = tl.max(lse, axis=1)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.where(counted, tl.exp2(lse - ref[:, None]), 0.0)
     weight_sum = tl.sum(weights, axis=1)
-    unscale = tl.load(unscale_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted,
-                      other=0.0)  # fmt: skip
+    unscale = tl.load(unscale_ptr + slots[None, :].to(tl.int64) * total_rows + rows[:, None], mask=counted, other=0.0)
     part_weights = weights * unscale  # each slot's weight and its partial's 2^-shift, once per row
     dims = tl.arange(0, D)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for c in range(0, BLOCK_T):
         w = tl.sum(tl.where(slots[None, :] == c, part_weights, 0.0), axis=1)  # [BLOCK_R]
-        o = tl.load(partial_ptr + (c * total_rows.to(tl.int64) + rows[:, None]) * D + dims[None, :],
-                    mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
+        o = tl.load(
+            partial_ptr + (c * total_rows.to(tl.int64) + rows[:, None]) * D + dims[None, :],
+            mask=(w > 0.0)[:, None],
+            other=0.0,
+        )
         acc += w[:, None] * widen(o)
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
@@ -386,11 +439,29 @@ def sparse_attn_prefill_kv_centric(
     keys = empty_row_major((Hkv, total_q, block_t), torch.int32, q.device)
     pos = torch.empty((total_q,), dtype=torch.int32, device=q.device)
     launch(
-        pair_keys_kernel, (triton.cdiv(total_q, KEY_TOKENS), Hkv),
-        topk_idx, block_table, cu_seqlens_q, seq_lens, keys, pos, total_q, num_reqs, num_blocks, max_blocks, T,
-        uncounted, topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
-        block_table.stride(0), block_table.stride(1), BLOCK_TOK=KEY_TOKENS, BLOCK_T=block_t, num_warps=4,
-    )  # fmt: skip
+        pair_keys_kernel,
+        (triton.cdiv(total_q, KEY_TOKENS), Hkv),
+        topk_idx,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        keys,
+        pos,
+        total_q,
+        num_reqs,
+        num_blocks,
+        max_blocks,
+        T,
+        uncounted,
+        topk_idx.stride(0),
+        topk_idx.stride(1),
+        topk_idx.stride(2),
+        block_table.stride(0),
+        block_table.stride(1),
+        BLOCK_TOK=KEY_TOKENS,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
     sorted_keys, order = torch.sort(keys.view(-1), stable=True)
 
     block_tok = tile_tokens(G)
@@ -409,20 +480,65 @@ def sparse_attn_prefill_kv_centric(
     # could overflow fp16 where the merged row, a convex combination, does not).
     fold_scales = fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD and q.dtype == torch.float16
     launch(
-        kv_centric_attn_kernel, (triton.cdiv(num_pairs, pairs),),
-        q, kv_cache, sorted_keys, order, pos, block_table, seq_lens, k_scale, v_scale, partial, lse, unscale,
-        num_pairs, uncounted, total_q, Hq, num_reqs, max_blocks, float(sm_scale) * LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_table.stride(0), block_table.stride(1), *k_strides, *v_strides,
-        G=G, D=D, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=pairs, SLOT_BITS=block_t.bit_length() - 1,
-        SCALE_MODE=scale_mode, FOLD_SCALES=fold_scales, **fp8.constexprs(),
+        kv_centric_attn_kernel,
+        (triton.cdiv(num_pairs, pairs),),
+        q,
+        kv_cache,
+        sorted_keys,
+        order,
+        pos,
+        block_table,
+        seq_lens,
+        k_scale,
+        v_scale,
+        partial,
+        lse,
+        unscale,
+        num_pairs,
+        uncounted,
+        total_q,
+        Hq,
+        num_reqs,
+        max_blocks,
+        float(sm_scale) * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        block_table.stride(1),
+        *k_strides,
+        *v_strides,
+        G=G,
+        D=D,
+        BLOCK_H=block_h,
+        BLOCK_TOK=block_tok,
+        PAIRS=pairs,
+        SLOT_BITS=block_t.bit_length() - 1,
+        SCALE_MODE=scale_mode,
+        FOLD_SCALES=fold_scales,
+        **fp8.constexprs(),
         **schedule.kernel_options(q.device, block_tok * block_h, prefill=True),
-    )  # fmt: skip
+    )
     out = empty_row_major((total_q, Hq, D), q.dtype, q.device)
     launch(
-        merge_slots_kernel, (triton.cdiv(total_q * Hq, MERGE_ROWS),), keys, partial, lse, unscale, out, v_scale,
-        total_q, Hq,
-        uncounted, G=G, D=D, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SCALE_OUT=fold_scales and scale_mode == 1,
+        merge_slots_kernel,
+        (triton.cdiv(total_q * Hq, MERGE_ROWS),),
+        keys,
+        partial,
+        lse,
+        unscale,
+        out,
+        v_scale,
+        total_q,
+        Hq,
+        uncounted,
+        G=G,
+        D=D,
+        BLOCK_R=MERGE_ROWS,
+        BLOCK_T=block_t,
+        SCALE_OUT=fold_scales and scale_mode == 1,
         num_warps=4,
-    )  # fmt: skip
+    )
     return out

@@ -86,8 +86,22 @@ def sparse_attn_prefill(
     T = topk_idx.shape[2]
     Hq, Hkv = q.shape[1], kv_cache.shape[1]
     launch_sparse_attn(
-        q, kv_cache, fmt, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale, scale_mode,
-        out, None, q_per_req=1, num_splits=1, blocks_per_split=T,
+        q,
+        kv_cache,
+        fmt,
+        topk_idx,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        sm_scale,
+        k_scale,
+        v_scale,
+        scale_mode,
+        out,
+        None,
+        q_per_req=1,
+        num_splits=1,
+        blocks_per_split=T,
         block_q=prefill_block_q(Hq // Hkv, block_table.shape[1], fmt is not None),
-    )  # fmt: skip
+    )
     return out

@@ -73,12 +73,20 @@ def sparse_attn_fwd_kernel(
     num_splits,
     blocks_per_split,  # distinct blocks (BLOCK_Q = 1: list slots) per split
     qk_scale,  # sm_scale * log2(e)
-    stride_qt, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_tkh, stride_tkt, stride_tks,
-    stride_btr, stride_btb,
-    stride_ksh, stride_kss,
-    stride_vsh, stride_vss,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_tkh,
+    stride_tkt,
+    stride_tks,
+    stride_btr,
+    stride_btb,
+    stride_ksh,
+    stride_kss,
+    stride_vsh,
+    stride_vss,
     G: tl.constexpr,  # query heads per KV head
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,  # pow2 >= G
@@ -94,7 +102,7 @@ def sparse_attn_fwd_kernel(
     DOT_FP32: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
-):  # fmt: skip
+):
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
     if PDL:
@@ -133,9 +141,22 @@ def sparse_attn_fwd_kernel(
     LONG_LIST: tl.constexpr = BLOCK_Q == 1 and BLOCK_T > MATRIX_DEDUP_SLOTS
     if not LONG_LIST:
         ids, pages, valid = select_slots(
-            topk_ptr, block_table_ptr, kv_head, token, req, last_block, n_slots, num_blocks, max_blocks,
-            stride_tkh, stride_tkt, stride_tks, stride_btr, stride_btb, BLOCK_T,
-        )  # [BLOCK_M, BLOCK_T] each  # fmt: skip
+            topk_ptr,
+            block_table_ptr,
+            kv_head,
+            token,
+            req,
+            last_block,
+            n_slots,
+            num_blocks,
+            max_blocks,
+            stride_tkh,
+            stride_tkt,
+            stride_tks,
+            stride_btr,
+            stride_btb,
+            BLOCK_T,
+        )  # [BLOCK_M, BLOCK_T] each
         keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]
 
     dims = tl.arange(0, D)
@@ -203,8 +224,9 @@ def sparse_attn_fwd_kernel(
                 id_ok = (listed >= 0) & (listed <= tok_last_block) & (listed < max_blocks) & ~repeat
                 listed_page = tl.load(
                     block_table_ptr + tok_req.to(tl.int64) * stride_btr + tl.where(id_ok, listed, 0) * stride_btb,
-                    mask=id_ok, other=-1,
-                )  # fmt: skip
+                    mask=id_ok,
+                    other=-1,
+                )
                 listed_ok = id_ok & (listed_page >= 0) & (listed_page < num_blocks)
                 slot_key = tl.where(listed_ok, (listed_page.to(tl.int64) << 32) | listed.to(tl.int64), -1)
             else:
@@ -217,11 +239,35 @@ def sparse_attn_fwd_kernel(
             key_ok = (key_pos >= 0) & (key_pos < tok_seq_len)
             visible = key_ok[None, :] & (key_pos[None, :] <= tok_pos)  # [BLOCK_M, 128]
             m, l, acc, low = attend_block(
-                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
-                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
-                stride_vsh, stride_vss,
-                D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
-            )  # fmt: skip
+                q,
+                m,
+                l,
+                acc,
+                low,
+                head_base,
+                page,
+                key_ok,
+                visible,
+                k_scale,
+                v_scale,
+                k_scale_ptr,
+                v_scale_ptr,
+                kv_head,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_ksh,
+                stride_kss,
+                stride_vsh,
+                stride_vss,
+                D,
+                MODEL_DTYPE,
+                SCALE_MODE,
+                DOT_FP32,
+                FP16_DOTS,
+                FP8,
+                FP8_NATIVE_LOAD,
+            )
     else:
         # Several tokens: walk the distinct keys of the tile once each, in ascending order (a
         # min-reduction gives the next one).  Skip the keys of earlier splits and count this
@@ -244,11 +290,35 @@ def sparse_attn_fwd_kernel(
             key_ok = key_pos < tl.load(seq_lens_ptr + block_req)
             visible = member[:, None] & key_ok[None, :] & (key_pos[None, :] <= pos[:, None])  # [BLOCK_M, 128]
             m, l, acc, low = attend_block(
-                q, m, l, acc, low, head_base, page, key_ok, visible, k_scale, v_scale,
-                k_scale_ptr, v_scale_ptr, kv_head, qk_scale, stride_kb, stride_kt, stride_ksh, stride_kss,
-                stride_vsh, stride_vss,
-                D, MODEL_DTYPE, SCALE_MODE, DOT_FP32, FP16_DOTS, FP8, FP8_NATIVE_LOAD,
-            )  # fmt: skip
+                q,
+                m,
+                l,
+                acc,
+                low,
+                head_base,
+                page,
+                key_ok,
+                visible,
+                k_scale,
+                v_scale,
+                k_scale_ptr,
+                v_scale_ptr,
+                kv_head,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_ksh,
+                stride_kss,
+                stride_vsh,
+                stride_vss,
+                D,
+                MODEL_DTYPE,
+                SCALE_MODE,
+                DOT_FP32,
+                FP16_DOTS,
+                FP8,
+                FP8_NATIVE_LOAD,
+            )
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
     has_keys = l > 0.0
@@ -275,8 +345,11 @@ def sparse_attn_fwd_kernel(
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
             lse = tl.where(huge, float("nan"), lse)
             tl.store(lse_ptr + part_offset, lse, mask=row_mask)
-            tl.store(partial_ptr + part_offset[:, None] * D + dims[None, :],
-                     to_model_dtype(o, partial_ptr.dtype.element_ty), mask=row_mask[:, None])  # fmt: skip
+            tl.store(
+                partial_ptr + part_offset[:, None] * D + dims[None, :],
+                to_model_dtype(o, partial_ptr.dtype.element_ty),
+                mask=row_mask[:, None],
+            )
             tl.debug_barrier()
             counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
@@ -286,7 +359,7 @@ def sparse_attn_fwd_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 _merge_partials(
                     partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, v_scale, D, FP16_DOTS
-                )  # fmt: skip
+                )
         else:
             tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
@@ -295,9 +368,17 @@ def sparse_attn_fwd_kernel(
 
 @triton.jit
 def _merge_partials(
-    partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, split_rows, num_splits, out_scale,
-    D: tl.constexpr, SCALE_OUT: tl.constexpr,
-):  # fmt: skip
+    partial_ptr,
+    lse_ptr,
+    out_ptrs,
+    row_offset,
+    row_mask,
+    split_rows,
+    num_splits,
+    out_scale,
+    D: tl.constexpr,
+    SCALE_OUT: tl.constexpr,
+):
     """out = sum_c 2^lse_c o_c / sum_c 2^lse_c in one pass (running max), times ``out_scale`` if SCALE_OUT;
     a row with no key in any split -> 0."""
     dims = tl.arange(0, D)
@@ -307,8 +388,12 @@ def _merge_partials(
     for c in range(0, num_splits):
         part_offset = c * split_rows.to(tl.int64) + row_offset
         lse = tl.load(lse_ptr + part_offset, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(partial_ptr + part_offset[:, None] * D + dims[None, :], mask=row_mask[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
+        o = tl.load(
+            partial_ptr + part_offset[:, None] * D + dims[None, :],
+            mask=row_mask[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         new_max = tl.maximum(lse_max, lse)
         ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key so far: weights 0, nothing NaN
         rescale = tl.exp2(lse_max - ref)
@@ -373,23 +458,56 @@ def launch_sparse_attn(
     pdl = cu_seqlens_q is None and schedule.use_pdl(q.device)
     extra = dict(launch_pdl=True) if pdl else {}
     launch(
-        sparse_attn_fwd_kernel, grid,
-        q, kv_cache, topk_idx, block_table, cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
-        k_scale, v_scale, out, *(split_buffers if split_buffers is not None else (out, out, out)),
-        total_q, num_reqs, q_per_req, num_blocks, block_table.shape[1], T, num_splits, blocks_per_split,
+        sparse_attn_fwd_kernel,
+        grid,
+        q,
+        kv_cache,
+        topk_idx,
+        block_table,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+        seq_lens,
+        k_scale,
+        v_scale,
+        out,
+        *(split_buffers if split_buffers is not None else (out, out, out)),
+        total_q,
+        num_reqs,
+        q_per_req,
+        num_blocks,
+        block_table.shape[1],
+        T,
+        num_splits,
+        blocks_per_split,
         float(sm_scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        topk_idx.stride(0), topk_idx.stride(1), topk_idx.stride(2),
-        block_table.stride(0), block_table.stride(1),
-        *k_strides, *v_strides,
-        G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=triton.next_power_of_2(int(T)),
-        VARLEN=cu_seqlens_q is not None, SPLIT=split_buffers is not None,
-        SCALE_MODE=scale_mode, FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=pdl,
-        **fp8.constexprs(), **extra,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        topk_idx.stride(0),
+        topk_idx.stride(1),
+        topk_idx.stride(2),
+        block_table.stride(0),
+        block_table.stride(1),
+        *k_strides,
+        *v_strides,
+        G=G,
+        D=D,
+        BLOCK_H=block_h,
+        BLOCK_Q=block_q,
+        BLOCK_T=triton.next_power_of_2(int(T)),
+        VARLEN=cu_seqlens_q is not None,
+        SPLIT=split_buffers is not None,
+        SCALE_MODE=scale_mode,
+        FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
+        PDL=pdl,
+        **fp8.constexprs(),
+        **extra,
         **schedule.kernel_options(
-            q.device, block_q * block_h, prefill=cu_seqlens_q is not None,
+            q.device,
+            block_q * block_h,
+            prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,
             bf16_decode_programs=size_hint(grid[0] * Hkv) if bf16_decode else None,
         ),
-    )  # fmt: skip
+    )

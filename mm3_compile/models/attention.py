@@ -122,10 +122,16 @@ class M3Attention(nn.Module):
             fp8_index = platform.is_fp8(index_cache.dtype)
             write_index_cache(index_cache, index_k, meta.slot_mapping, self.index_k_scale() if fp8_index else None)
             topk_idx = torch.ops.mm3.index_topk(
-                index_q, index_cache.squeeze(1), meta.block_table, meta.cu_seqlens_q, meta.seq_lens,
-                cfg.sparse_topk_blocks, cfg.sparse_init_blocks, cfg.sparse_local_blocks,
+                index_q,
+                index_cache.squeeze(1),
+                meta.block_table,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                cfg.sparse_topk_blocks,
+                cfg.sparse_init_blocks,
+                cfg.sparse_local_blocks,
                 "fp8" if fp8_index else "auto",
-            )  # [Hkv, T, topk] int32  # fmt: skip
+            )  # [Hkv, T, topk] int32
         else:
             # every block: the kernels clip query p to its p // 128 + 1 visible blocks -> exact causal attention
             max_blocks = meta.block_table.shape[1]
@@ -139,9 +145,15 @@ class M3Attention(nn.Module):
             )
         else:
             out = torch.ops.mm3.sparse_attn_prefill(
-                q, kv_cache, topk_idx, meta.block_table, meta.cu_seqlens_q, meta.seq_lens, cfg.sm_scale,
+                q,
+                kv_cache,
+                topk_idx,
+                meta.block_table,
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                cfg.sm_scale,
                 meta.kv_cache_dtype,
-            )  # fmt: skip
+            )
         out = self.o.linear(out.reshape(T, hq * D))  # [T, H] partial sum over this rank's heads
         return self.tp.all_reduce(out), topk_idx
 

@@ -50,9 +50,17 @@ class RoutedExperts(nn.Module):
         """x [T, H], ids/weights [T, k] -> fp32 [T, H] = sum_k weights * expert_k(x)."""
         cfg = self.config
         return torch.ops.mm3.moe_experts(
-            x, ids, weights, self.gate_up.values, self.gate_up.scales, self.down.values, self.down.scales,
-            cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit,
-        )  # fmt: skip
+            x,
+            ids,
+            weights,
+            self.gate_up.values,
+            self.gate_up.scales,
+            self.down.values,
+            self.down.scales,
+            cfg.swiglu_alpha,
+            cfg.swiglu_beta,
+            cfg.swiglu_limit,
+        )
 
 
 class M3MoE(nn.Module):

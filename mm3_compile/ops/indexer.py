@@ -56,9 +56,17 @@ def _resolve_index_cache(index_q, index_k_cache, index_cache_dtype):
 
 
 def _check_index_topk(
-    index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
-    index_cache_dtype="auto", index_k_scale=None,
-):  # fmt: skip
+    index_q,
+    index_k_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    topk,
+    init_blocks,
+    local_blocks,
+    index_cache_dtype="auto",
+    index_k_scale=None,
+):
     """Validate every argument; returns (cache as the kernel reads it, FP8 format or None)."""
     check_tensor("index_q", index_q, dtypes=FLOAT_DTYPES, ndim=3)
     head_dim = index_q.shape[2]
@@ -155,9 +163,17 @@ def index_topk(
         >>> topk.shape  # [Hidx, total_q, 16]
     """
     cache, fmt = _check_index_topk(
-        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
-        index_cache_dtype, index_k_scale,
-    )  # fmt: skip
+        index_q,
+        index_k_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        topk,
+        init_blocks,
+        local_blocks,
+        index_cache_dtype,
+        index_k_scale,
+    )
     require_kernel_device("index_q", index_q)
     with eager_launches():
         return kernels.index_topk(
@@ -167,11 +183,27 @@ def index_topk(
 
 @index_topk.register_fake
 def _(
-    index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk=16, init_blocks=0, local_blocks=1,
-    index_cache_dtype="auto", index_k_scale=None,
-):  # fmt: skip
+    index_q,
+    index_k_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    topk=16,
+    init_blocks=0,
+    local_blocks=1,
+    index_cache_dtype="auto",
+    index_k_scale=None,
+):
     _check_index_topk(
-        index_q, index_k_cache, block_table, cu_seqlens_q, seq_lens, topk, init_blocks, local_blocks,
-        index_cache_dtype, index_k_scale,
-    )  # fmt: skip
+        index_q,
+        index_k_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        topk,
+        init_blocks,
+        local_blocks,
+        index_cache_dtype,
+        index_k_scale,
+    )
     return index_q.new_empty((index_q.shape[1], index_q.shape[0], topk), dtype=torch.int32)

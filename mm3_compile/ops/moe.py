@@ -144,9 +144,14 @@ def _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, t
                 f"pair_weights: expected {x.shape[0] * top_k} entries (one per pair), got {pair_weights.shape[0]}"
             )
     check_same_device(
-        "x", x, w_values=w_values, sorted_pairs=sorted_pairs, block_expert=block_expert, x_scales=x_scales,
+        "x",
+        x,
+        w_values=w_values,
+        sorted_pairs=sorted_pairs,
+        block_expert=block_expert,
+        x_scales=x_scales,
         pair_weights=pair_weights,
-    )  # fmt: skip
+    )
 
 
 def _grouped_dtype(x, x_scales, pair_weights) -> torch.dtype:
@@ -198,10 +203,18 @@ def mxfp8_grouped_gemm(
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
         return gemm_kernels.mxfp8_gemm(
-            x.contiguous(), None if x_scales is None else x_scales.view(torch.uint8).contiguous(), w_values,
-            w_scales.view(torch.uint8), fmt, config, _grouped_dtype(x, x_scales, pair_weights),
-            sorted_pairs, block_expert, top_k, pair_weights,
-        )  # fmt: skip
+            x.contiguous(),
+            None if x_scales is None else x_scales.view(torch.uint8).contiguous(),
+            w_values,
+            w_scales.view(torch.uint8),
+            fmt,
+            config,
+            _grouped_dtype(x, x_scales, pair_weights),
+            sorted_pairs,
+            block_expert,
+            top_k,
+            pair_weights,
+        )
 
 
 @mxfp8_grouped_gemm.register_fake

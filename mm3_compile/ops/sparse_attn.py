@@ -147,9 +147,17 @@ def sparse_attn_prefill(
 
 @sparse_attn_prefill.register_fake
 def _(
-    q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale,
-    kv_cache_dtype="auto", k_scale=None, v_scale=None,
-):  # fmt: skip
+    q,
+    kv_cache,
+    topk_idx,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    sm_scale,
+    kv_cache_dtype="auto",
+    k_scale=None,
+    v_scale=None,
+):
     _check_prefill(
         q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )

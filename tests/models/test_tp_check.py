@@ -14,11 +14,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tp_check_script_runs_with_gloo(tmp_path):
     out = tmp_path / "tp.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
         os.path.join(REPO, "scripts", "tp_check.py"),
-        "--config", "tiny", "--batch", "2", "--prompt", "16", "--steps", "1", "--backend", "eager", "--no-rerun",
-        "--out", str(out),
-    ]  # fmt: skip
+        "--config",
+        "tiny",
+        "--batch",
+        "2",
+        "--prompt",
+        "16",
+        "--steps",
+        "1",
+        "--backend",
+        "eager",
+        "--no-rerun",
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

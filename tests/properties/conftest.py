@@ -12,7 +12,8 @@ import os
 from hypothesis import HealthCheck, settings
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
-settings.register_profile("ci", derandomize=True, deadline=None, max_examples=10, suppress_health_check=_QUIET,
-                          print_blob=True)  # fmt: skip
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, max_examples=10, suppress_health_check=_QUIET, print_blob=True
+)
 settings.register_profile("long", deadline=None, max_examples=250, suppress_health_check=_QUIET, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

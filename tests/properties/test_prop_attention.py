@@ -88,9 +88,12 @@ def attention_problems(draw, decode):
     if draw(st.booleans()) and q.numel():
         q.view(-1)[torch.randint(0, q.numel(), (2,), generator=g)] = float("nan")
     values = torch.cat(
-        [torch.randn(num_blocks, Hkv, PAGE_SIZE, D, generator=g) * 2.0**ek,
-         torch.randn(num_blocks, Hkv, PAGE_SIZE, D, generator=g) * 2.0**ev], dim=-1,
-    )  # fmt: skip
+        [
+            torch.randn(num_blocks, Hkv, PAGE_SIZE, D, generator=g) * 2.0**ek,
+            torch.randn(num_blocks, Hkv, PAGE_SIZE, D, generator=g) * 2.0**ev,
+        ],
+        dim=-1,
+    )
     if draw(st.booleans()):  # zeros and (fp16) subnormals in K/V
         flat = values.view(-1)
         idx = torch.randint(0, flat.numel(), (flat.numel() // 16,), generator=g)
@@ -143,12 +146,19 @@ def attention_problems(draw, decode):
     else:
         cache = physical
     return {
-        "q": q, "kv_cache": cache, "topk_idx": topk.transpose(0, 1), "block_table": table,
+        "q": q,
+        "kv_cache": cache,
+        "topk_idx": topk.transpose(0, 1),
+        "block_table": table,
         "cu_seqlens_q": torch.tensor(cu, dtype=torch.int32),
         "seq_lens": torch.tensor([s for s, _ in reqs], dtype=torch.int32),
-        "sm_scale": D**-0.5, "kv_cache_dtype": spec, "k_scale": k_scale, "v_scale": v_scale, "storage": storage,
+        "sm_scale": D**-0.5,
+        "kv_cache_dtype": spec,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "storage": storage,
         "ev": ev_out,
-    }  # fmt: skip
+    }
 
 
 def assert_close(out, ref, q_dtype, ev):
@@ -181,8 +191,18 @@ def test_prefill_matches_reference(target, schedule, data):
         out = torch.ops.mm3.sparse_attn_prefill(
             q, cache, topk, table, cu, seq, p["sm_scale"], p["kv_cache_dtype"], k_scale, v_scale
         ).cpu()
-    ref = sparse_attn_ref(p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["cu_seqlens_q"], p["seq_lens"],
-                          p["sm_scale"], p["storage"], p["k_scale"], p["v_scale"])  # fmt: skip
+    ref = sparse_attn_ref(
+        p["q"],
+        p["kv_cache"],
+        p["topk_idx"],
+        p["block_table"],
+        p["cu_seqlens_q"],
+        p["seq_lens"],
+        p["sm_scale"],
+        p["storage"],
+        p["k_scale"],
+        p["v_scale"],
+    )
     assert_close(out, ref, p["q"].dtype, p["ev"])
 
 
@@ -203,8 +223,12 @@ def test_decode_matches_reference(target, data):
 def test_compiled_matches_eager(target, data):
     with platform.emulate(target):
         p = data.draw(attention_problems(decode=True))
-        args = (*on_device(p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["seq_lens"]), p["sm_scale"],
-                p["kv_cache_dtype"], *on_device(p["k_scale"], p["v_scale"]))  # fmt: skip
+        args = (
+            *on_device(p["q"], p["kv_cache"], p["topk_idx"], p["block_table"], p["seq_lens"]),
+            p["sm_scale"],
+            p["kv_cache_dtype"],
+            *on_device(p["k_scale"], p["v_scale"]),
+        )
 
         def decode(*tensors):
             return torch.ops.mm3.sparse_attn_decode(*tensors)

@@ -44,18 +44,45 @@ class Case:
     values: torch.Tensor  # [num_blocks, Hkv, 128, 2D] fp32 K/V the cache was made from
 
     def prefill_args(self):
-        return (self.q, self.kv_cache, self.topk_idx, self.block_table, self.cu_seqlens_q, self.seq_lens,
-                self.sm_scale, self.kv_cache_dtype, self.k_scale, self.v_scale)  # fmt: skip
+        return (
+            self.q,
+            self.kv_cache,
+            self.topk_idx,
+            self.block_table,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.sm_scale,
+            self.kv_cache_dtype,
+            self.k_scale,
+            self.v_scale,
+        )
 
     def decode_args(self):
-        return (self.q, self.kv_cache, self.topk_idx, self.block_table, self.seq_lens, self.sm_scale,
-                self.kv_cache_dtype, self.k_scale, self.v_scale)  # fmt: skip
+        return (
+            self.q,
+            self.kv_cache,
+            self.topk_idx,
+            self.block_table,
+            self.seq_lens,
+            self.sm_scale,
+            self.kv_cache_dtype,
+            self.k_scale,
+            self.v_scale,
+        )
 
     def reference(self, storage_dtype=None):
         return sparse_attn_ref(
-            self.q, self.kv_cache, self.topk_idx, self.block_table, self.cu_seqlens_q, self.seq_lens, self.sm_scale,
-            storage_dtype or self.storage_dtype, self.k_scale, self.v_scale,
-        )  # fmt: skip
+            self.q,
+            self.kv_cache,
+            self.topk_idx,
+            self.block_table,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.sm_scale,
+            storage_dtype or self.storage_dtype,
+            self.k_scale,
+            self.v_scale,
+        )
 
 
 def fill_cache(values, storage_dtype, nan_fill, layout):
@@ -156,9 +183,19 @@ def build(
     else:
         cache = fill_cache(values, storage, float("nan"), layout)
     return Case(
-        q, cache, topk_idx, block_table, cu.to(device), torch.tensor([s for s, _ in reqs], dtype=torch.int32,
-        device=device), D**-0.5, spec, storage, k_scale, v_scale, values,
-    )  # fmt: skip
+        q,
+        cache,
+        topk_idx,
+        block_table,
+        cu.to(device),
+        torch.tensor([s for s, _ in reqs], dtype=torch.int32, device=device),
+        D**-0.5,
+        spec,
+        storage,
+        k_scale,
+        v_scale,
+        values,
+    )
 
 
 def assert_close(out, ref, dtype, what=""):
@@ -184,5 +221,15 @@ PREFILL_REQS = [(300, 9), (140, 0), (263, 6), (40, 5)]
 DECODE_REQS = [(300, 2), (0, 2), (129, 2)]  # (seq_len, q_per_req); seq_len 0 = CUDA-graph padding
 
 
-PREFILL_NAMES = ("q", "kv_cache", "topk_idx", "block_table", "cu_seqlens_q", "seq_lens", "sm_scale", "kv_cache_dtype",
-                 "k_scale", "v_scale")  # fmt: skip
+PREFILL_NAMES = (
+    "q",
+    "kv_cache",
+    "topk_idx",
+    "block_table",
+    "cu_seqlens_q",
+    "seq_lens",
+    "sm_scale",
+    "kv_cache_dtype",
+    "k_scale",
+    "v_scale",
+)

@@ -79,10 +79,10 @@ dot_fp32 = options.pop("DOT_FP32")
 def build(kernel, constexprs, pointers, aligned_ints, options):
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else
-                 "*i32" if n.endswith("_ptr") else "i32") for n in names}  # fmt: skip
+                 "*i32" if n.endswith("_ptr") else "i32") for n in names}
     aligned = [n for n in names if n.endswith("_ptr") or n in aligned_ints]
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
-                       {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})  # fmt: skip
+                       {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     triton.compile(source, target=target, options=options)
 
 
@@ -120,8 +120,9 @@ def test_compiled_caller_does_not_recompile_when_batch_varies(device):
 
     def step(q, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens):
         out = torch.ops.mm3.sparse_attn_prefill(q * 1, kv_cache, topk_idx, block_table, cu_seqlens_q, seq_lens, 0.125)
-        dec = torch.ops.mm3.sparse_attn_decode(q[: seq_lens.shape[0]], kv_cache, topk_idx[:, : seq_lens.shape[0]],
-                                               block_table, seq_lens, 0.125)  # fmt: skip
+        dec = torch.ops.mm3.sparse_attn_decode(
+            q[: seq_lens.shape[0]], kv_cache, topk_idx[:, : seq_lens.shape[0]], block_table, seq_lens, 0.125
+        )
         return out.float().sum(-1), dec
 
     torch._dynamo.reset()
@@ -187,8 +188,9 @@ def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen,
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [str(a) for a in (target, kv_type, G, D, block_q, varlen, scale_mode, native)]
-    result = subprocess.run([sys.executable, "-c", AOT_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", AOT_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
 
@@ -210,7 +212,8 @@ def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native, mod
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [kv_type, str(G), str(scale_mode), str(native), model]
-    result = subprocess.run([sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout

@@ -52,7 +52,7 @@ def _bad_inputs():
             ),
             ValueError,
             r"k_scale: expected one element \(scalar mode\) or shape \[Hkv, num_blocks\*128\]",
-        ),  # fmt: skip
+        ),
         (
             edit(
                 k_scale=lambda s, c: torch.ones(1, device=c.q.device, dtype=torch.float64),
@@ -60,7 +60,7 @@ def _bad_inputs():
             ),
             TypeError,
             "k_scale: expected a float32 tensor",
-        ),  # fmt: skip
+        ),
         (
             edit(seq_lens=lambda s, c: torch.stack([s, s], 1).flatten()[::2]),
             ValueError,
@@ -140,9 +140,11 @@ def test_platform_round_trip_gfx942(op, schedule, device):
         fp8 = build(device, reqs, spec="fp8", seed=7)
         assert fp8.storage_dtype == platform.FP8_E4M3_FNUZ
         bf16 = dataclasses.replace(
-            fp8, kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "HND"), kv_cache_dtype="auto",
+            fp8,
+            kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "HND"),
+            kv_cache_dtype="auto",
             storage_dtype=torch.bfloat16,
-        )  # fmt: skip
+        )
         if op == "prefill":
             out = torch.ops.mm3.sparse_attn_prefill(*fp8.prefill_args())
         else:
@@ -202,9 +204,11 @@ def test_kv_cache_write_then_attention_gfx942(op, device):
     with platform.emulate("gfx942"):
         fp8 = build(device, reqs, spec="fp8", seed=9)
         bf16 = dataclasses.replace(
-            fp8, kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "NHD"), kv_cache_dtype="auto",
+            fp8,
+            kv_cache=fill_cache(fp8.values, torch.bfloat16, float("nan"), "NHD"),
+            kv_cache_dtype="auto",
             storage_dtype=torch.bfloat16,
-        )  # fmt: skip
+        )
         num_blocks, Hkv, _, width = fp8.values.shape
         D = width // 2
         tokens = fp8.values.permute(0, 2, 1, 3).reshape(num_blocks * PAGE, Hkv, width).bfloat16()  # slot order

@@ -21,9 +21,18 @@ def _run_path(path, case, monkeypatch):
         view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
         with eager_launches():
             return decode_kernels.sparse_attn_decode(
-                case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
+                case.q,
+                view,
+                fmt,
+                case.topk_idx,
+                case.block_table,
+                case.seq_lens,
+                case.sm_scale,
+                None,
+                None,
+                0,
                 num_splits=3,
-            )  # fmt: skip
+            )
     if path == "decode":
         return torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: path)
@@ -55,9 +64,18 @@ def test_decode_long_list_path(num_splits, device, monkeypatch):
     view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
     with eager_launches():
         out = decode_kernels.sparse_attn_decode(
-            case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
+            case.q,
+            view,
+            fmt,
+            case.topk_idx,
+            case.block_table,
+            case.seq_lens,
+            case.sm_scale,
+            None,
+            None,
+            0,
             num_splits=num_splits,
-        )  # fmt: skip
+        )
     assert (out[0, :2] == 0).all()  # token 0, KV head 0: every slot invalid
     assert_close(out, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
 
@@ -153,8 +171,9 @@ def test_prefill_fp8_large_scales_with_an_fp16_model(schedule, k_scale, v_scale,
     """An fp16 model over an FP8 cache with scalar scales: scaled K/V beyond fp16's range (the values
     are never dequantised to fp16 with their scales) give the reference's logits and output."""
     with platform.emulate("sm_90"):
-        case = build(device, [(300, 6), (70, 3)], Hkv=2, G=2, spec="fp8", scale="scalar",
-                     model_dtype=torch.float16, seed=4)  # fmt: skip
+        case = build(
+            device, [(300, 6), (70, 3)], Hkv=2, G=2, spec="fp8", scale="scalar", model_dtype=torch.float16, seed=4
+        )
         case = dataclasses.replace(
             case,
             k_scale=torch.tensor([k_scale], device=device),
@@ -176,8 +195,9 @@ def test_fp8_logit_factor_beyond_fp32_on_the_way(op, schedule, device):
     reqs = [(300, 6), (70, 3)] if op == "prefill" else [(260, 1), (129, 1), (700, 1)]
     with platform.emulate("sm_90"):
         case = build(device, reqs, spec="fp8", scale="scalar", Hkv=2, G=2)
-        case = dataclasses.replace(case, q=case.q * 2.0**-110, sm_scale=2.0**100,
-                                   k_scale=torch.tensor([2.0**30], device=device))  # fmt: skip
+        case = dataclasses.replace(
+            case, q=case.q * 2.0**-110, sm_scale=2.0**100, k_scale=torch.tensor([2.0**30], device=device)
+        )
         if op == "prefill":
             out, ref = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args()), case.reference()
         else:
@@ -216,9 +236,20 @@ def test_gpu_decode_merge_across_calls_streams_and_graphs(Hq, Hkv, q_per_req, bl
     view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
 
     def run(q, num_splits=None):
-        return decode_kernels.sparse_attn_decode(q, view, fmt, case.topk_idx, case.block_table, case.seq_lens,
-                                                 case.sm_scale, None, None, 0, num_splits=num_splits,
-                                                 block_q=block_q)  # fmt: skip
+        return decode_kernels.sparse_attn_decode(
+            q,
+            view,
+            fmt,
+            case.topk_idx,
+            case.block_table,
+            case.seq_lens,
+            case.sm_scale,
+            None,
+            None,
+            0,
+            num_splits=num_splits,
+            block_q=block_q,
+        )
 
     def check(out, q, what):
         ref = sparse_attn_decode_ref(q, *case.decode_args()[1:6], case.storage_dtype)
@@ -243,14 +274,26 @@ def test_gpu_decode_merge_across_calls_streams_and_graphs(Hq, Hkv, q_per_req, bl
         check(static_out, q, "graph replay")
     # A grid with more (token, KV head) tiles than the shared buffer has counters gets fresh ones;
     # compared with the unsplit kernel (checked against the reference by the tests above).
-    big = build(device, [(300, 1)] * (decode_kernels.ARRIVAL_COUNTERS // Hkv + 1), D=128, Hkv=Hkv, G=Hq // Hkv,
-                T=16, seed=4)  # fmt: skip
+    big = build(
+        device, [(300, 1)] * (decode_kernels.ARRIVAL_COUNTERS // Hkv + 1), D=128, Hkv=Hkv, G=Hq // Hkv, T=16, seed=4
+    )
     big_view, _ = resolve_cache_view(big.kv_cache, big.kv_cache_dtype, big.q.dtype)
     split, whole = (
-        decode_kernels.sparse_attn_decode(big.q, big_view, None, big.topk_idx, big.block_table, big.seq_lens,
-                                          big.sm_scale, None, None, 0, num_splits=n)
+        decode_kernels.sparse_attn_decode(
+            big.q,
+            big_view,
+            None,
+            big.topk_idx,
+            big.block_table,
+            big.seq_lens,
+            big.sm_scale,
+            None,
+            None,
+            0,
+            num_splits=n,
+        )
         for n in (2, 1)
-    )  # fmt: skip
+    )
     assert_close(split, whole, torch.bfloat16, "grid past the shared counters")
     torch.cuda.synchronize()
     assert not decode_kernels._arrival_counters(1, case.q).any()
@@ -330,8 +373,17 @@ def test_gpu_decode_with_and_without_pdl(spec, device, monkeypatch):
     CUDA graph, and matches the reference."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
-    case = build(device, [(4000, 1), (300, 1), (2000, 1)], D=128, Hkv=1, G=8, T=16, spec=spec,
-                 scale="scalar" if spec == "fp8" else "none", seed=23)  # fmt: skip
+    case = build(
+        device,
+        [(4000, 1), (300, 1), (2000, 1)],
+        D=128,
+        Hkv=1,
+        G=8,
+        T=16,
+        spec=spec,
+        scale="scalar" if spec == "fp8" else "none",
+        seed=23,
+    )
     outs = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("MM3_PDL", pdl)

@@ -116,15 +116,25 @@ def test_decode_fp8_split_partials_are_unscaled(model_dtype, v_scale, device):
     """A split's partial can exceed the model dtype's range once scaled by v_scale while the merged row
     (a convex combination of the partials) does not: partials stay unscaled, the merger scales."""
     with platform.emulate("sm_90"):
-        case = build(device, [(700, 1), (260, 1)], D=64, Hkv=1, G=4, spec="fp8", scale="scalar",
-                     model_dtype=model_dtype, seed=7)  # fmt: skip
+        case = build(
+            device, [(700, 1), (260, 1)], D=64, Hkv=1, G=4, spec="fp8", scale="scalar", model_dtype=model_dtype, seed=7
+        )
         case = dataclasses.replace(case, v_scale=torch.tensor([v_scale], device=device))
         view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
         with eager_launches():
             out = decode_kernels.sparse_attn_decode(
-                case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale,
-                case.k_scale, case.v_scale, 1, num_splits=4,
-            )  # fmt: skip
+                case.q,
+                view,
+                fmt,
+                case.topk_idx,
+                case.block_table,
+                case.seq_lens,
+                case.sm_scale,
+                case.k_scale,
+                case.v_scale,
+                1,
+                num_splits=4,
+            )
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
     finite = ref.to(model_dtype).isfinite()
     assert finite.all() and out.isfinite().all(), "the merged rows fit the model dtype"
@@ -137,8 +147,17 @@ def test_decode_fp8_split_partials_are_unscaled(model_dtype, v_scale, device):
 @pytest.mark.parametrize("Hq, Hkv", [(64, 4), (8, 1)])
 @pytest.mark.parametrize("spec", ["auto", "fp8"])
 def test_gpu_prefill_m3_shapes(Hq, Hkv, spec, device):
-    case = build(device, [(2600, 1000), (1900, 1200), (700, 0), (1200, 64)], D=128, Hkv=Hkv, G=Hq // Hkv, T=16,
-                 spec=spec, scale="scalar" if spec != "auto" else "none", seed=11)  # fmt: skip
+    case = build(
+        device,
+        [(2600, 1000), (1900, 1200), (700, 0), (1200, 64)],
+        D=128,
+        Hkv=Hkv,
+        G=Hq // Hkv,
+        T=16,
+        spec=spec,
+        scale="scalar" if spec != "auto" else "none",
+        seed=11,
+    )
     out = torch.ops.mm3.sparse_attn_prefill(*case.prefill_args())
     assert_close(out, case.reference(), torch.bfloat16, f"prefill Hq{Hq} {spec}")
 
@@ -151,8 +170,17 @@ def test_gpu_decode_m3_shapes(Hq, Hkv, spec, num_reqs, q_per_req, device):
     gen = torch.Generator().manual_seed(num_reqs)
     lens = torch.randint(q_per_req, 5000, (num_reqs,), generator=gen).tolist()
     lens[-1] = 0 if num_reqs > 1 else lens[-1]  # a padding request
-    case = build(device, [(s, q_per_req) for s in lens], D=128, Hkv=Hkv, G=Hq // Hkv, T=16, spec=spec,
-                 scale="per_token_head" if spec != "auto" else "none", seed=5)  # fmt: skip
+    case = build(
+        device,
+        [(s, q_per_req) for s in lens],
+        D=128,
+        Hkv=Hkv,
+        G=Hq // Hkv,
+        T=16,
+        spec=spec,
+        scale="per_token_head" if spec != "auto" else "none",
+        seed=5,
+    )
     out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
     assert_close(out, ref, torch.bfloat16, f"decode Hq{Hq} {spec} B{num_reqs}x{q_per_req}")
@@ -171,16 +199,34 @@ def test_mean_error_matches_upstream_numerics(path, spec, device, monkeypatch):
     errors = []
     for seed in range(5):
         with platform.emulate("sm_90"):
-            case = build(device, _recipe_requests(seed, decode), D=128, Hkv=2, G=4, T=4, seed=seed, spec=spec,
-                         scale="scalar" if spec == "fp8" else "none")  # fmt: skip
+            case = build(
+                device,
+                _recipe_requests(seed, decode),
+                D=128,
+                Hkv=2,
+                G=4,
+                T=4,
+                seed=seed,
+                spec=spec,
+                scale="scalar" if spec == "fp8" else "none",
+            )
             case.topk_idx[:, 1::3, 1] = -1  # used slots (every token here sees >= 1 older block) set to -1
             if path == "split_decode":
                 view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
                 with eager_launches():
                     out = decode_kernels.sparse_attn_decode(
-                        case.q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale,
-                        case.k_scale, case.v_scale, 1 if spec == "fp8" else 0, num_splits=3,
-                    )  # fmt: skip
+                        case.q,
+                        view,
+                        fmt,
+                        case.topk_idx,
+                        case.block_table,
+                        case.seq_lens,
+                        case.sm_scale,
+                        case.k_scale,
+                        case.v_scale,
+                        1 if spec == "fp8" else 0,
+                        num_splits=3,
+                    )
             elif decode:
                 out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
             else:

@@ -71,9 +71,19 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     def run(q):
         with eager_launches():
             return decode_kernels.sparse_attn_decode(
-                q, view, fmt, case.topk_idx, case.block_table, case.seq_lens, case.sm_scale, None, None, 0,
-                num_splits=num_splits, block_q=block_q,
-            )  # fmt: skip
+                q,
+                view,
+                fmt,
+                case.topk_idx,
+                case.block_table,
+                case.seq_lens,
+                case.sm_scale,
+                None,
+                None,
+                0,
+                num_splits=num_splits,
+                block_q=block_q,
+            )
 
     out = run(case.q)
     assert (out[q_per_req : 2 * q_per_req] == 0).all()
