@@ -46,10 +46,11 @@ def _recipe_requests(seed: int, decode: bool) -> list:
 # Mean |out - bf16(fp64 oracle)| over 5 seeds must stay <= this; measured (CPU interpreter, integer RNE
 # conversions), worst seed: bf16 cache: KV-centric 1.7e-4 (2.1e-4 with bf16 slot partials, 1.7e-4 with
 # fp32 ones), union walk 1.7e-4, decode 1.5e-4; sm_90 e4m3 cache, scalar scales: KV-centric 1.8e-4 (K/V
-# dequantised to bf16), union walk / decode 2.2e-5 (fp16 dots on the exact FP8 values).
+# dequantised to bf16), union walk / decode 2.2e-5 (fp16 dots on the exact FP8 values), decode split
+# three ways 4.6e-5..9.8e-5 over the 5 seeds (its partials add roundings the unsplit call does not have).
 # Before the fix (truncating fp32 -> bf16 conversions): 5.4-8.1e-4 (bf16), KV-centric FP8 8.1e-4.
 # vLLM's M3 kernel tests require < 2.5e-4 against an fp32 reference.
-RECIPE_MEAN_TOLERANCE = {("auto", False): 3e-4, ("fp8", False): 3e-4, ("fp8", True): 6e-5}  # (spec, fp16 dots)
+RECIPE_MEAN_TOLERANCE = {("auto", False): 3e-4, ("fp8", False): 3e-4, ("fp8", True): 1.2e-4}  # (spec, fp16 dots)
 
 
 @SCHEDULES
