@@ -56,8 +56,10 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(4, 6144, 6144, 128, 132, False) == schedule(4, 6144, 6144, 128, 132, False)
     decode, prefill = schedule(4, 6144, 6144, 128, 132, False), schedule(32768, 6144, 6144, 128, 132, False)
     assert decode.BLOCK_M == 16 and prefill.BLOCK_M == 128
-    # 4 active experts need narrow column tiles for 132 SMs to stream: 4 * 6144 / BLOCK_N >= 4 * 132
-    assert 4 * 6144 // decode.BLOCK_N >= 4 * 132
+    # 64-column decode tiles (the fastest measured at 1 and 32 tokens), narrower only for a grid below one program
+    # per SM: 4 active experts x 6144 columns fill 132 SMs at 64, one expert of 1024 columns needs 16
+    assert decode.BLOCK_N == 64 and 4 * 6144 // decode.BLOCK_N >= 132
+    assert schedule(1, 1024, 6144, 1, 132, False).BLOCK_N == 16
     assert schedule(None, 6144, 6144, 128, 132, False).BLOCK_M == 16
     assert isinstance(schedule(4, 64, 64, 8, 1, True), GemmConfig)
     # the bound: min(pairs, ceil((pairs + E*(BM-1)) / BM))
