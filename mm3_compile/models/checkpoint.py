@@ -13,7 +13,7 @@ The release (``MiniMaxAI/MiniMax-M3-MXFP8``, bf16 ``MiniMaxAI/MiniMax-M3``) name
     layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate / up / down)    -> mlp.experts.gate_up[e] / down[e]
     layers.{i}.block_sparse_moe.shared_experts.{gate,up,down}_proj             -> mlp.shared.gate_up / down
 
-A linear stored MXFP8 has ``weight`` (OCP float8_e4m3fn ``[out, in]``) and ``weight_scale_inv`` (uint8
+A linear stored MXFP8 has ``weight`` (OCP e4m3 ``[out, in]``) and ``weight_scale_inv`` (uint8
 ``[out, in/32]``: the E8M0 byte itself, the name notwithstanding); it is loaded as stored, never re-quantized.
 On a platform whose MX element dtype is e4m3fnuz (gfx94x) the values are converted exactly
 (:func:`ocp_mxfp8_to_platform`).  A linear without ``weight_scale_inv`` (the bf16 release, or a layer the
@@ -105,11 +105,11 @@ def ocp_mxfp8_to_platform(
     subnormals alike), so the bytes stay and each block's E8M0 byte goes up by one.  Bytes without an FNUZ
     meaning are mapped: -0 (0x80, FNUZ's NaN) -> +0, NaN (0x7F/0xFF) -> FNUZ NaN (0x80).  A block at the
     largest finite scale (254) cannot be bumped: its values are re-encoded at twice the code instead (exact up
-    to FNUZ's max 240; a larger value there is refused: it would be beyond fp32 anyway).  A NaN scale (255)
+    to the FNUZ maximum; a larger value there is refused: it would be beyond fp32 anyway).  A NaN scale (255)
     stays NaN.
 
     Args:
-        values: ``[..., K]`` float8_e4m3fn, as the checkpoint stores them.
+        values: ``[..., K]`` OCP e4m3, as the checkpoint stores them.
         scales: ``[..., K/32]`` uint8 E8M0 bytes.
         dtype: the target MX element dtype (``platform.mxfp8_value_dtype(device)``).
         name: the tensor's name for error messages.
