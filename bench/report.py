@@ -379,7 +379,7 @@ def _moe_tokens(shape: str) -> int:
 
 
 def _moe_targets(rows, verdict) -> None:
-    """Issue #20: the compiled MoE block per decode token count, and prefill against the matmul ceiling."""
+    """The compiled MoE block per decode token count, and prefill against the matmul ceiling."""
     moe = [r for r in _ok_rows(rows, family="moe") if r["provider"] == "ours_compiled"]
     for tokens, need_us in MOE_DECODE_US.items():
         picked = [r for r in moe if r["mode"] == "graph" and _moe_tokens(r["shape"]) == tokens]

@@ -455,7 +455,7 @@ def test_compiled_caller_no_recompiles(device):
 @pytest.mark.parametrize("spec", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("target", TARGETS)
 def test_bf16_subnormal_keys_exact(target, spec, device):
-    """Issue #24 item 1: bf16 subnormal K/V (every m * 2^-133) divided by a scalar 2^-126 land on normal and
+    """bf16 subnormal K/V (every m * 2^-133) divided by a scalar 2^-126 land on normal and
     subnormal FP8 codes; the interpreter's bf16 -> fp32 cast got them wrong, the kernel widens the bits."""
     m = torch.arange(1, 128, dtype=torch.float64)
     rows = torch.cat([m, -m]) * 2.0**-133  # [254], exact in bf16

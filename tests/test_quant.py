@@ -270,7 +270,7 @@ def bf16_subnormals(rows: int, width: int) -> torch.Tensor:
 
 
 def test_bf16_subnormal_input_exact(target, device):
-    """Issue #24 item 1: the interpreter's bf16 -> fp32 cast turned 3 * 2^-133 into 2^-127 (value 1.0 instead of
+    """The interpreter's bf16 -> fp32 cast turned 3 * 2^-133 into 2^-127 (value 1.0 instead of
     0.046875 at scale byte 0); the kernels widen bf16 through its bits."""
     fmt = value_format(device)
     x = torch.full((1, 32), 3 * 2.0**-133, dtype=torch.bfloat16, device=device)

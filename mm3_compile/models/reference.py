@@ -151,11 +151,14 @@ class ReferenceModel:
         # fp32 copies of every weight; MXFP8 weights as their dequantized values
         self.w = {}
         for name, t in state.items():
-            t = t.to(self.device).float()
             if name.endswith("_proj.weight") or ".mlp." in name or ".moe.experts." in name or ".moe.shared." in name:
-                experts = t if t.dim() == 3 else t[None]  # one expert at a time bounds the fp64 temporaries
-                t = torch.stack([mx_quant_dequant(e, self.device) for e in experts]).view(t.shape)
-            self.w[name] = t
+                # one expert at a time, into one fp32 buffer: the real-width experts are 18 GiB in fp32, so no
+                # whole-tensor fp32 copy or stacked list (the fp64 temporaries are one expert's)
+                out = torch.empty(t.shape, dtype=torch.float32, device=self.device)
+                for e_out, e in zip(out.view(-1, *t.shape[-2:]), t.view(-1, *t.shape[-2:])):
+                    e_out.copy_(mx_quant_dequant(e.to(self.device), self.device))
+                t = out
+            self.w[name] = t.to(self.device).float()
         self.reset(0)
 
     def reset(self, num_requests: int) -> None:

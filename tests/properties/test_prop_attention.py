@@ -1,7 +1,7 @@
 """Properties of mm3::sparse_attn_prefill / mm3::sparse_attn_decode against kernels/sparse_attn/naive.py.
 
 The float64 reference decodes the same cache bytes, so the error is the kernels' own rounding: the
-tolerances of tests/test_sparse_attn.py (bf16: max 2e-2, mean 1.5e-3; fp16: 2e-3 / 1.5e-4), in units
+tolerances of tests/sparse_attn/test_numerics.py (bf16: max 2e-2, mean 1.5e-3; fp16: 2e-3 / 1.5e-4), in units
 of the V magnitude 2^ev.  Drawn: ragged requests straddling pages (and padding requests), GQA groups
 1..16, D 64/128, every KV spec and FP8 flavour under emulated sm_90 / gfx942 / gfx950, typed and byte
 caches, HND/NHD, the three scale modes, junk top-k lists (-1, ids past the query's block or the table,
@@ -10,7 +10,7 @@ magnitudes 2^-30..2^30 (the logits' scale bounded, below), zeros, NaN in q and f
 
 The q and K exponents satisfy ``eq + ek <= MAX_LOGIT_EXP``: the fp32 logit rounding (~|logit| 2^-22) then
 stays inside the absolute tolerances.  Huge logits (the rule that rows past 2^30 in log2 units are NaN in
-every schedule) and threaded calls have their own tests in tests/test_sparse_attn.py.
+every schedule) and threaded calls have their own tests in tests/sparse_attn/test_edges.py.
 """
 
 import math

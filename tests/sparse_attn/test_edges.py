@@ -300,7 +300,7 @@ def test_gpu_decode_merge_across_calls_streams_and_graphs(Hq, Hkv, q_per_req, bl
 
 
 def test_huge_logits_give_the_same_rows_in_every_schedule(device, monkeypatch):
-    """Issue #24 item 3: a row with a block whose max |sm_scale * log2(e) * q.k| is >= 2^30 (bf16 q ~ 1e9
+    """A row with a block whose max |sm_scale * log2(e) * q.k| is >= 2^30 (bf16 q ~ 1e9
     against N(0, 1) keys) is NaN in every schedule (``jit.HUGE_LOGIT``); rows with logits up to ~1e6
     are the reference's, in every schedule."""
     case = build(device, [(300, 1), (200, 1), (390, 1)], D=64, Hkv=1, G=4, T=4, seed=17)
@@ -322,7 +322,7 @@ def test_huge_logits_give_the_same_rows_in_every_schedule(device, monkeypatch):
 
 @pytest.mark.parametrize("tiny", ["q", "k", "v"])
 def test_bf16_subnormal_inputs(tiny, device, monkeypatch):
-    """Issue #24 item 1: bf16 subnormal q, K or V (|x| ~ 2^-128; the interpreter's own widening turns
+    """bf16 subnormal q, K or V (|x| ~ 2^-128; the interpreter's own widening turns
     3 * 2^-133 into 2^-127) are read exactly in every schedule: with sm_scale (q, K) or the output
     (V) scaled back by the same power of two, the reference's result."""
     case = build(device, [(300, 3), (140, 2)], D=64, Hkv=1, G=2, T=4, seed=19)

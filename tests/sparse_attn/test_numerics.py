@@ -30,7 +30,7 @@ from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import DECODE_REQS, FP8_CASES, PAGE, PREFILL_REQS, SCHEDULES, assert_close, build
 
 
-# ---------------------------------------------------------------- accuracy against upstream numerics (#26)
+# ---------------------------------------------------------------- accuracy against upstream numerics
 def _recipe_requests(seed: int, decode: bool) -> list:
     """2-3 requests, prefixes 0-600, 5-20 new tokens each (decode: the same count for all)."""
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -190,7 +190,7 @@ def test_gpu_decode_m3_shapes(Hq, Hkv, spec, num_reqs, q_per_req, device):
 @pytest.mark.parametrize("spec", ["auto", "fp8"])
 @pytest.mark.parametrize("path", ["kv_centric", "union", "decode", "split_decode"])
 def test_mean_error_matches_upstream_numerics(path, spec, device, monkeypatch):
-    """Issue #26's recipe (bf16 q and K/V from randn, Hkv 2, G 4, D 128, top-k 4, some used slots -1):
+    """The upstream accuracy recipe (bf16 q and K/V from randn, Hkv 2, G 4, D 128, top-k 4, some used slots -1):
     the mean error against the rounded fp64 oracle is that of fp32 accumulation with P rounded once
     before P.V and one final rounding, in every schedule."""
     decode = path.endswith("decode")
