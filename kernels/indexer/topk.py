@@ -154,6 +154,7 @@ def _page_scores(
     FP32_DOT: tl.constexpr,
     KEYS_MAJOR: tl.constexpr,
     FP8: tl.constexpr,  # FP8 format code of the index-K bytes (kernels/fp8.py)
+    SPLIT_NAN_MAX: tl.constexpr,  # the interpreter: NaN test and max as two builtin reductions
 ):
     """[ROWS] max over the page's (visible) keys of the row's dot product (NaN-propagating)."""
     key_off = tl.arange(0, PAGE)
@@ -189,6 +190,10 @@ def _page_scores(
     if MASKED:
         key_pos = key_off + key0  # [128]
         s = tl.where(key_pos[None, :] <= pos[:, None], s, float("-inf"))
+    if SPLIT_NAN_MAX:
+        # the interpreter runs a custom combine function once per element pair in Python (~100x slower)
+        has_nan = tl.max((s != s).to(tl.int32), 1)  # noqa: PLR0124 (NaN test)
+        return tl.where(has_nan > 0, float("nan"), tl.max(s, 1))
     return tl.reduce(s, 1, _nan_max)
 
 
@@ -222,6 +227,7 @@ def _index_score_kernel(
     HAS_K_SCALE: tl.constexpr,
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
     KEYS_MAJOR: tl.constexpr,
+    SPLIT_NAN_MAX: tl.constexpr,  # see _page_scores
     FP8: tl.constexpr,  # the FP8 launch constants of the index-K cache (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,
@@ -289,6 +295,7 @@ def _index_score_kernel(
                 FP32_DOT,
                 KEYS_MAJOR,
                 FP8,
+                SPLIT_NAN_MAX,
             )
             tl.store(s_ptrs + b, best, mask=row_ok)
         for b in range(tl.maximum(lo, full_end), hi):
@@ -311,6 +318,7 @@ def _index_score_kernel(
                 FP32_DOT,
                 KEYS_MAJOR,
                 FP8,
+                SPLIT_NAN_MAX,
             )
             tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
 
@@ -476,6 +484,7 @@ def index_topk(
         HAS_K_SCALE=k_scale is not None,
         FP32_DOT=fp32_dot,
         KEYS_MAJOR=schedule.keys_major,
+        SPLIT_NAN_MAX=interpreting(),
         **fp8.constexprs(),
         num_warps=schedule.score_warps,
         num_stages=schedule.score_stages,
