@@ -1,7 +1,7 @@
 """A whole decoder step of the M3 model: eager vs ``torch.compile`` step time, cold and warm compile time.
 
 GPU: ``m3_1layer`` (one sparse + MoE layer at the real widths), a batch of 32 requests after
-2048-token prompts, bf16 KV.  CPU: the tiny model, to check the harness only.  The compiled step is also
+2048-token prompts, bf16 KV.  CPU: the tiny model after 70-token prompts, to check the harness only.  The compiled step is also
 reported against its HBM floor (:func:`hbm_floor_bytes` at the run's copy ceiling: ``pct_of_ceiling``).  The step time is
 the median over the decode steps after the first (which pays for compilation in the compiled
 run).  Cold compile = first compiled prefill + first decode step, in a process whose Inductor
@@ -33,7 +33,7 @@ def _workload(ctx: Context):
     if ctx.cuda:
         config, batch, prompt, steps = MiniMaxM3Config.m3_1layer(), 32, 2048, 8
     else:
-        config, batch, prompt, steps = MiniMaxM3Config.tiny(), 2, 140, 3
+        config, batch, prompt, steps = MiniMaxM3Config.tiny(), 2, 70, 3  # a harness check: one page per request
     blocks = -(-(prompt + steps) // PAGE_SIZE) + 1
     state = random_full_state(config, seed=0, device=ctx.device)
     model = build_model(config, seed=0, device=ctx.device, dtype=torch.bfloat16, state=state)

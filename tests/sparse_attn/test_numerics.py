@@ -198,7 +198,9 @@ def test_mean_error_matches_upstream_numerics(path, spec, device, monkeypatch):
         monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: path)
     fp16_dots = spec == "fp8" and path != "kv_centric"
     errors = []
-    for seed in range(5):
+    # the interpreter runs the first 3 of the 5 seeds the tolerances were measured on (a decode seed takes
+    # ~10 s there); a GPU runs all 5
+    for seed in range(5 if device.type == "cuda" else 3):
         with platform.emulate("sm_90"):
             case = build(
                 device,
