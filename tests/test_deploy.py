@@ -193,6 +193,7 @@ def run_package_in_fresh_process(path, inputs, workdir):
     torch.save(list(inputs), workdir / "inputs.pt")
     runner = subprocess.run(
         [sys.executable, "-c", AOTI_RUNNER, str(path), str(workdir / "inputs.pt"), str(workdir / "out.pt")],
+        cwd=workdir,  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
         capture_output=True,
         text=True,
     )

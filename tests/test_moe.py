@@ -14,6 +14,7 @@ e4m3fnuz). Tolerances, measured on these inputs (CPU interpreter):
 """
 
 import math
+import tempfile
 
 import pytest
 import torch
@@ -301,7 +302,13 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", SM90_COMPILE],
+        env=env,
+        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])

@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -166,7 +167,14 @@ def test_decisions_are_logged_once_each(caplog):
 def test_torch_logs_shows_decisions():
     script = "import torch, mm3_compile; mm3_compile.platform.resolve_kv_cache_dtype('fp8', 'cpu', torch.bfloat16)"
     env = {**os.environ, "TORCH_LOGS": "+mm3_compile"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "kv_cache_dtype 'fp8' on cpu resolves to torch.float8_e4m3fn" in result.stderr
 
 

@@ -1,5 +1,7 @@
 """Attention code generation: GPU targets compiled ahead on the CPU, symbolic traces, no recompiles."""
 
+import tempfile
+
 import pytest
 import torch
 
@@ -189,7 +191,12 @@ def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [str(a) for a in (target, kv_type, G, D, block_q, varlen, scale_mode, native)]
     result = subprocess.run(
-        [sys.executable, "-c", AOT_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", AOT_COMPILE_SCRIPT, *args],
+        env=env,
+        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
@@ -213,7 +220,12 @@ def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native, mod
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [kv_type, str(G), str(scale_mode), str(native), model]
     result = subprocess.run(
-        [sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args],
+        env=env,
+        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
