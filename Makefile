@@ -9,7 +9,7 @@ demo: setup
 	.venv/bin/mm3-compile demo $(ARGS)
 
 test: setup
-	.venv/bin/python -m pytest -q -n 2 $(ARGS)
+	.venv/bin/python -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 lint: setup
 	.venv/bin/ruff check .

@@ -10,7 +10,6 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 import zipfile
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from mm3_compile import deploy, platform
 from tests.every_op import EveryOp, make_batch
+from tests.python_process import run_python
 
 GXX = shutil.which("g++")
 needs_gxx = pytest.mark.skipif(GXX is None, reason="needs g++ to build the ELF files under test")
@@ -191,12 +191,7 @@ assert not any(name.startswith("mm3_compile") for name in sys.modules), "the pac
 def run_package_in_fresh_process(path, inputs, workdir):
     """Load and run an AOTInductor package in a Python that never imports mm3_compile; its outputs on the CPU."""
     torch.save(list(inputs), workdir / "inputs.pt")
-    runner = subprocess.run(
-        [sys.executable, "-c", AOTI_RUNNER, str(path), str(workdir / "inputs.pt"), str(workdir / "out.pt")],
-        cwd=workdir,  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
-        capture_output=True,
-        text=True,
-    )
+    runner = run_python(AOTI_RUNNER, str(path), str(workdir / "inputs.pt"), str(workdir / "out.pt"), cwd=workdir)
     return runner, (torch.load(workdir / "out.pt") if runner.returncode == 0 else None)
 
 

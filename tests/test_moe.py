@@ -14,7 +14,6 @@ e4m3fnuz). Tolerances, measured on these inputs (CPU interpreter):
 """
 
 import math
-import tempfile
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from mm3_compile import platform
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
 from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
+from tests.python_process import run_python
 
 E, K_TOP, H, I = 8, 2, 64, 64
 BLOCK_M = 16
@@ -296,20 +296,7 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
     """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
     a typed FP8 load): compile the sm_90 typed-FP8 variant ahead of time, without a GPU, in a process with the
     interpreter off (Triton's CUDA backend and its ptxas only)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE],
-        env=env,
-        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_python(SM90_COMPILE, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
     assert proc.returncode == 0, proc.stderr[-3000:]

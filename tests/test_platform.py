@@ -1,16 +1,13 @@
 """The FP8 dtype authority: resolution tables for every target and spec, emulation, logging."""
 
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 import types
 
 import pytest
 import torch
 
 from mm3_compile import platform
+from tests.python_process import run_python
 
 OCP = (platform.FP8_E4M3_OCP, platform.FP8_E5M2_OCP)
 FNUZ = (platform.FP8_E4M3_FNUZ, platform.FP8_E5M2_FNUZ)
@@ -166,15 +163,8 @@ def test_decisions_are_logged_once_each(caplog):
 
 def test_torch_logs_shows_decisions():
     script = "import torch, mm3_compile; mm3_compile.platform.resolve_kv_cache_dtype('fp8', 'cpu', torch.bfloat16)"
-    env = {**os.environ, "TORCH_LOGS": "+mm3_compile"}
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = run_python(script, env_add={"TORCH_LOGS": "+mm3_compile"})
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "kv_cache_dtype 'fp8' on cpu resolves to torch.float8_e4m3fn" in result.stderr
 
 

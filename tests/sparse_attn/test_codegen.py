@@ -1,13 +1,12 @@
 """Attention code generation: GPU targets compiled ahead on the CPU, symbolic traces, no recompiles."""
 
-import tempfile
-
 import pytest
 import torch
 
 from mm3_compile.kernels._launch import size_hint
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.ops._kv import resolve_cache_view
+from tests.python_process import run_python
 from tests.sparse_attn.helpers import build
 
 AOT_COMPILE_SCRIPT = r"""
@@ -184,20 +183,8 @@ def test_gpu_launchers_trace_with_symbolic_shapes(device):
 )
 def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen, scale_mode, native):
     """The interpreter accepts things GPU compilation rejects (e.g. non-constexpr globals): compile ahead of time."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [str(a) for a in (target, kv_type, G, D, block_q, varlen, scale_mode, native)]
-    result = subprocess.run(
-        [sys.executable, "-c", AOT_COMPILE_SCRIPT, *args],
-        env=env,
-        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(AOT_COMPILE_SCRIPT, *args, env_drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
 
@@ -213,19 +200,7 @@ def test_kernels_compile_for_gpu_targets(target, kv_type, G, D, block_q, varlen,
 )
 def test_kv_centric_kernels_compile_for_sm90(kv_type, G, scale_mode, native, model):
     """The KV-centric prefill kernels compile for the H200 (the CPU tests run them in the interpreter)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [kv_type, str(G), str(scale_mode), str(native), model]
-    result = subprocess.run(
-        [sys.executable, "-c", KV_CENTRIC_COMPILE_SCRIPT, *args],
-        env=env,
-        cwd=tempfile.gettempdir(),  # outside the checkout: its mm3_compile/ folder would shadow a non-editable install
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_python(KV_CENTRIC_COMPILE_SCRIPT, *args, env_drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout
