@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from mm3_compile import platform
+from mm3_compile.kernels._launch import eager_launches
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_ref
+from mm3_compile.ops._kv import resolve_cache_view
 
 PAGE = 128
 
@@ -69,6 +72,26 @@ class Case:
             self.k_scale,
             self.v_scale,
         )
+
+    def split_decode(self, num_splits, scale_mode=0, q=None, **options):
+        """The decode kernel launched directly with ``num_splits`` (and ``options``, e.g. ``block_q``): the op
+        picks its split count from the device.  ``scale_mode`` 0 passes no scales, else the case's."""
+        view, fmt = resolve_cache_view(self.kv_cache, self.kv_cache_dtype, self.q.dtype)
+        scales = (self.k_scale, self.v_scale) if scale_mode else (None, None)
+        with eager_launches():
+            return decode_kernels.sparse_attn_decode(
+                self.q if q is None else q,
+                view,
+                fmt,
+                self.topk_idx,
+                self.block_table,
+                self.seq_lens,
+                self.sm_scale,
+                *scales,
+                scale_mode,
+                num_splits=num_splits,
+                **options,
+            )
 
     def reference(self, storage_dtype=None):
         return sparse_attn_ref(

@@ -7,7 +7,6 @@ import torch
 import triton
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill, union
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
@@ -18,21 +17,7 @@ from tests.sparse_attn.helpers import OP_SCHEDULES, SCHEDULES, assert_close, bui
 def _run_path(path, case, monkeypatch):
     """Prefill (forced schedule), decode through the op, or decode forced to 3 splits."""
     if path == "split_decode":
-        view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
-        with eager_launches():
-            return decode_kernels.sparse_attn_decode(
-                case.q,
-                view,
-                fmt,
-                case.topk_idx,
-                case.block_table,
-                case.seq_lens,
-                case.sm_scale,
-                None,
-                None,
-                0,
-                num_splits=3,
-            )
+        return case.split_decode(3)
     if path == "decode":
         return torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     monkeypatch.setattr(prefill, "prefill_schedule", lambda *args: path)
@@ -61,21 +46,7 @@ def test_decode_long_list_path(num_splits, device, monkeypatch):
     monkeypatch.setenv("MM3_VALIDATE", "0")
     monkeypatch.setattr(union, "MATRIX_DEDUP_SLOTS", triton.language.constexpr(2))
     case = build(device, [(300, 1), (260, 1), (390, 1)], D=64, Hkv=2, G=2, corrupt=True, seed=3)
-    view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
-    with eager_launches():
-        out = decode_kernels.sparse_attn_decode(
-            case.q,
-            view,
-            fmt,
-            case.topk_idx,
-            case.block_table,
-            case.seq_lens,
-            case.sm_scale,
-            None,
-            None,
-            0,
-            num_splits=num_splits,
-        )
+    out = case.split_decode(num_splits)
     assert (out[0, :2] == 0).all()  # token 0, KV head 0: every slot invalid
     assert_close(out, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
 

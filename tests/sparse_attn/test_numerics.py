@@ -22,11 +22,8 @@ import pytest
 import torch
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import eager_launches
-from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
-from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import DECODE_REQS, FP8_CASES, PAGE, PREFILL_REQS, SCHEDULES, assert_close, build
 
 
@@ -121,21 +118,7 @@ def test_decode_fp8_split_partials_are_unscaled(model_dtype, v_scale, device):
             device, [(700, 1), (260, 1)], D=64, Hkv=1, G=4, spec="fp8", scale="scalar", model_dtype=model_dtype, seed=7
         )
         case = dataclasses.replace(case, v_scale=torch.tensor([v_scale], device=device))
-        view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
-        with eager_launches():
-            out = decode_kernels.sparse_attn_decode(
-                case.q,
-                view,
-                fmt,
-                case.topk_idx,
-                case.block_table,
-                case.seq_lens,
-                case.sm_scale,
-                case.k_scale,
-                case.v_scale,
-                1,
-                num_splits=4,
-            )
+        out = case.split_decode(4, scale_mode=1)
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
     finite = ref.to(model_dtype).isfinite()
     assert finite.all() and out.isfinite().all(), "the merged rows fit the model dtype"
@@ -215,21 +198,7 @@ def test_mean_error_matches_upstream_numerics(path, spec, device, monkeypatch):
             )
             case.topk_idx[:, 1::3, 1] = -1  # used slots (every token here sees >= 1 older block) set to -1
             if path == "split_decode":
-                view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
-                with eager_launches():
-                    out = decode_kernels.sparse_attn_decode(
-                        case.q,
-                        view,
-                        fmt,
-                        case.topk_idx,
-                        case.block_table,
-                        case.seq_lens,
-                        case.sm_scale,
-                        case.k_scale,
-                        case.v_scale,
-                        1 if spec == "fp8" else 0,
-                        num_splits=3,
-                    )
+                out = case.split_decode(3, scale_mode=1 if spec == "fp8" else 0)
             elif decode:
                 out = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
             else:

@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import eager_launches
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import kv_centric, prefill
 from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
-from mm3_compile.ops._kv import resolve_cache_view
 from tests.sparse_attn.helpers import assert_close, build
 
 
@@ -66,24 +64,9 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     """Any split count merges to the same answer, including splits that own no block (3 or 7 splits of
     4 slots); token tiles (block_q > 1) split the union of their blocks and may straddle requests."""
     case = build(device, [(400, q_per_req), (0, q_per_req), (200, q_per_req)], D=64, Hkv=1, G=4, T=4)
-    view, fmt = resolve_cache_view(case.kv_cache, case.kv_cache_dtype, case.q.dtype)
 
     def run(q):
-        with eager_launches():
-            return decode_kernels.sparse_attn_decode(
-                q,
-                view,
-                fmt,
-                case.topk_idx,
-                case.block_table,
-                case.seq_lens,
-                case.sm_scale,
-                None,
-                None,
-                0,
-                num_splits=num_splits,
-                block_q=block_q,
-            )
+        return case.split_decode(num_splits, q=q, block_q=block_q)
 
     out = run(case.q)
     assert (out[q_per_req : 2 * q_per_req] == 0).all()
