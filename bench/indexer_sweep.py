@@ -1,6 +1,6 @@
 """Indexer schedule sweep on one GPU: exact lists vs the naive reference, graph-replay time per schedule.
 
-``python3 bench/indexer_sweep.py --out DIR [--budget-s 120]``.  Shapes are the ``indexer`` family's
+``python3 bench/indexer_sweep.py --out DIR [--budget-s 120] [--kind decode|prefill]``.  Shapes are the ``indexer`` family's
 (bf16 index cache ``[pool, 128, 128]`` of >= 1 GiB, inputs rotated past the L2, top-16, init 0,
 local 1) plus the FP8 index cache on decode.  Inputs are small integers, so every dot is exact in
 fp32 and the lists must equal the reference exactly (sampled tokens).  Per decode row: % of the
@@ -135,6 +135,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=110)
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--kind", choices=("all", "decode", "prefill"), default="all", help="shapes swept")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.monotonic()
@@ -155,6 +156,8 @@ def main():
         if with_variants and args.no_variants:
             break
         for case in SHAPES:
+            if args.kind != "all" and (case.q_len == 1) != (args.kind == "decode"):
+                continue
             if time.monotonic() - t0 > args.budget_s:
                 record(shape=case.shape, variant="(budget)", us="", pct="", ok="", note="skipped")
                 continue

@@ -1,0 +1,154 @@
+"""Where the time of the indexer, a compiled MoE block and a compiled decode layer step goes, kernel by kernel.
+
+``python bench/profile.py [--tokens 1,32,128] [--no-layer]``: ``mm3::index_topk`` (decode B1/B32 at 32768 tokens,
+prefill 1x8192, Hidx 4, bf16 index cache), the M3 MoE block at the real widths
+(``bench/moe.py``'s seeded weights) compiled with ``fullgraph=True`` for each token count, and the
+``m3_1layer`` decode step (B32 after 2048-token prompts, ``bench/layer.py``'s workload) compiled as the
+demo compiles it. Each is launched (not graph-replayed) under ``torch.profiler`` for ``--iters`` calls after
+warm-up; per kernel name: launches per call, mean GPU µs per launch, µs per call. The sum of kernel times
+against the CUDA-graph replay time of the same call says how much of a replay is launch gaps (a graph still
+pays ~2 µs between dependent kernels). Prints markdown tables and writes them to ``$OUT/profile.md``.
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_table(fn, iters: int) -> tuple[list[tuple[str, float, float]], float, int]:
+    """(name, launches per call, µs per call) rows sorted by time, total kernel µs per call, launches per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_name[event.name[:90]]
+            entry[0] += 1
+            entry[1] += event.device_time
+    rows = sorted(((n, c / iters, t / iters) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
+    return rows, sum(r[2] for r in rows), round(sum(r[1] for r in rows))
+
+
+def graph_us(fn, replays: int = 20) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def report(title: str, fn, iters: int, lines: list[str], graph: bool = True) -> None:
+    rows, total, launches = kernel_table(fn, iters)
+    replay = graph_us(fn) if graph else float("nan")
+    lines += [
+        f"### {title}",
+        "",
+        f"{launches} kernels per call, {total:.1f} µs of kernel time; CUDA-graph replay {replay:.1f} µs "
+        f"(gaps {replay - total:.1f} µs)",
+        "",
+        "| kernel | launches/call | µs/launch | µs/call |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{n}` | {c:g} | {t / c:.2f} | {t:.2f} |" for n, c, t in rows[:25]]
+    lines.append("")
+    print("\n".join(lines[-len(rows[:25]) - 7 :]), flush=True)
+
+
+def moe_rows(tokens: list[int], iters: int, lines: list[str]) -> None:
+    from bench.moe import build_block
+    from mm3_compile.models import MiniMaxM3Config
+
+    config = MiniMaxM3Config.m3_1layer()
+    moe = build_block(torch.device("cuda"), config)
+    compiled = torch.compile(moe, fullgraph=True, dynamic=False)
+    for T in tokens:
+        x = torch.randn(T, config.hidden_size, device="cuda").to(torch.bfloat16)
+        with torch.no_grad():
+            report(f"MoE block T{T} (compiled)", lambda x=x: compiled(x), iters, lines)
+    torch._dynamo.reset()  # the block's weights go with its graphs
+
+
+def indexer_rows(iters: int, lines: list[str]) -> None:
+    """``mm3::index_topk`` on a bf16 index cache: decode B1 / B32 at 32768 tokens and prefill 1x8192, Hidx 4."""
+    from mm3_compile.contract import PAGE_SIZE
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for B, q_len, seq in ((1, 1, 32768), (32, 1, 32768), (1, 8192, 8192)):
+        blocks = seq // PAGE_SIZE
+        k = torch.randn(B * blocks, PAGE_SIZE, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        q = torch.randn(B * q_len, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        table = torch.randperm(B * blocks, device="cuda", generator=gen).view(B, blocks).to(torch.int32)
+        cu = torch.arange(B + 1, dtype=torch.int32, device="cuda") * q_len
+        seq_lens = torch.full((B,), seq, dtype=torch.int32, device="cuda")
+
+        def call(q=q, k=k, table=table, cu=cu, seq_lens=seq_lens):
+            return torch.ops.mm3.index_topk(q, k, table, cu, seq_lens, 16, 0, 1)
+
+        report(f"index_topk B{B} q_len {q_len} seq {seq} Hidx 4 (eager op)", call, iters, lines)
+
+
+def layer_rows(iters: int, lines: list[str]) -> None:
+    from bench.layer import _workload
+    from mm3_compile.models import compile_model
+    from mm3_compile.models.graphs import GraphedDecode
+    from mm3_compile.models.runtime import workload_tokens
+
+    class _Ctx:
+        cuda, device = True, torch.device("cuda")
+
+    config, model, runtime, batch, prompt, _ = _workload(_Ctx)
+    fns = compile_model(model)
+    lens = [prompt] * batch
+    prompts, _ = workload_tokens(config.vocab_size, lens, 1, seed=0)
+    runtime.reset()
+    with torch.no_grad():
+        fns[0](torch.cat(prompts).to(runtime.device), runtime.add_prompts(lens), runtime.caches)
+        graphed = GraphedDecode(model, runtime, decode_fn=fns[1], batch_sizes=(batch,))
+        runtime.advance([1] * batch)
+        graphed.buffers.write(batch, [1] * batch, runtime.seq_lens, runtime.block_tables)
+        report(f"m3-1layer decode step B{batch} after {prompt} (compiled)", lambda: graphed._run(batch), iters, lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,32,128")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-layer", action="store_true")
+    args = parser.parse_args()
+    lines: list[str] = [f"# Kernel profile ({torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
+    import mm3_compile  # noqa: F401 (registers the ops)
+
+    indexer_rows(args.iters, lines)
+    moe_rows([int(t) for t in args.tokens.split(",") if t], args.iters, lines)
+    if not args.no_layer:
+        layer_rows(args.iters, lines)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
