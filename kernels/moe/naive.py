@@ -6,10 +6,15 @@ from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 
 
 def mx_dequantize_f64(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """values [..., K] (any FP8 dtype) x 2^(E8M0 byte - 127) per 32-block -> float64 [..., K]."""
-    factor = torch.exp2(scales.view(torch.uint8).double() - E8M0_BIAS)
-    blocks = values.double().unflatten(-1, (-1, MX_BLOCK_SIZE)) * factor.unsqueeze(-1)
-    return blocks.flatten(-2)
+    """values [..., K] (any FP8 dtype) x 2^(E8M0 byte - 127) per 32-block -> float64 [..., K].
+
+    The E8M0 byte 255 is NaN; a product at or past 2^128 (e.g. 448 x 2^127) is +-Inf, as it is for every fp32
+    or bf16 consumer of the value (bf16 holds every smaller product exactly).
+    """
+    sb = scales.view(torch.uint8).double()
+    factor = torch.where(sb == 2 * E8M0_BIAS + 1, torch.nan, torch.exp2(sb - E8M0_BIAS))
+    blocks = (values.double().unflatten(-1, (-1, MX_BLOCK_SIZE)) * factor.unsqueeze(-1)).flatten(-2)
+    return torch.where(blocks.abs() >= 2.0**128, blocks.sign() * torch.inf, blocks)
 
 
 def mxfp8_linear_ref(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

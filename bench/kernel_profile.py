@@ -1,6 +1,6 @@
 """Where the time of the indexer, a compiled MoE block and a compiled decode layer step goes, kernel by kernel.
 
-``python bench/profile.py [--tokens 1,32,128] [--no-layer]``: ``mm3::index_topk`` (decode B1/B32 at 32768 tokens,
+``python bench/kernel_profile.py [--tokens 1,32,128] [--no-layer]``: ``mm3::index_topk`` (decode B1/B32 at 32768 tokens,
 prefill 1x8192, Hidx 4, bf16 index cache), the M3 MoE block at the real widths
 (``bench/moe.py``'s seeded weights) compiled with ``fullgraph=True`` for each token count, and the
 ``m3_1layer`` decode step (B32 after 2048-token prompts, ``bench/layer.py``'s workload) compiled as the
