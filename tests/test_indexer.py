@@ -330,21 +330,21 @@ def test_bf16_subnormals_widen_exactly(device):
     assert out[0].tolist() == [[4, 3, 2, 1, 0], [3, 1, 2, 0, -1]]
 
 
-SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n): every code path of both kernels
-    (1, 3, False, 1, 16),
-    (2, 2, True, 4, 128),
-    (4, 1, False, 16, 32),
-    (64, 5, True, 64, 16),
+SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n, topk_short_n): every path of both kernels
+    (1, 3, False, 1, 16, 16),
+    (2, 2, True, 4, 128, 16),  # the 2200-token request's 18 blocks take the wide register tile, the rest the short
+    (4, 1, False, 16, 32, 64),  # short_n past block_n: the launcher clamps it
+    (64, 5, True, 64, 16, 16),
 ]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_same_lists(schedule, device):
-    """Split keys, query tiles of every size, both dot orientations, register and rescanning top-k."""
+    """Split keys, query tiles of every size, both dot orientations, both register tiles and rescanning top-k."""
     from mm3_compile.kernels.indexer import topk as kernels
 
-    block_t, chunks, keys_major, topk_rows, block_n = schedule
-    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4)
+    block_t, chunks, keys_major, topk_rows, block_n, short_n = schedule
+    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4, short_n)
     args = make_inputs([(3, 1000), (1, 0), (20, 200), (1, 2200)], 2, 32, device, seed=block_t)
     cpu_args = [t.cpu() for t in args]
     for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):

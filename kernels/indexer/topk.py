@@ -65,6 +65,7 @@ class IndexSchedule:
     score_warps / score_stages: launch options of the score kernel.
     keys_major: compute ``K @ Q^T`` ([128, ROWS], keys as the MMA's M side) instead of ``Q @ K^T``.
     topk_rows / topk_block_n / topk_warps: (head, token) rows per top-k program, blocks held in registers.
+    topk_short_n: the narrower register tile of top-k programs whose rows all see at most that many blocks.
     """
 
     block_t: int
@@ -75,6 +76,7 @@ class IndexSchedule:
     topk_rows: int
     topk_block_n: int
     topk_warps: int
+    topk_short_n: int = 64
 
     def rows(self, num_heads: int) -> int:
         return max(16, triton.next_power_of_2(self.block_t * num_heads))
@@ -341,6 +343,28 @@ def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _select_in_registers(
+    row_ptrs,
+    nb,
+    init_blocks,
+    local_blocks,
+    out_ptrs,
+    row_ok,
+    TOPK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows of at most ``BLOCK_N`` visible blocks: one load of their keys, ``TOPK`` rounds of "largest left"."""
+    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
+    keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N)
+    for slot in range(TOPK):
+        best = tl.max(keys, axis=1)
+        ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
+        tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
+        keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+
+
+@triton.jit
 def _index_topk_kernel(
     score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
     cu_seqlens_ptr,  # [num_reqs + 1] int32
@@ -358,6 +382,7 @@ def _index_topk_kernel(
     TOPK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SHORT_N: tl.constexpr,  # <= BLOCK_N: the register tile of programs whose rows see at most SHORT_N blocks
 ):
     stride_st = score_row_units * 16
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] row = head * total_q + token
@@ -378,13 +403,12 @@ def _index_topk_kernel(
     out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + token.to(tl.int64) * stride_ot
     NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
     scan_end = tl.max(nb, axis=0)
-    if scan_end <= BLOCK_N:  # the row's keys stay in registers
-        keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N)
-        for slot in range(TOPK):
-            best = tl.max(keys, axis=1)
-            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
-            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
-            keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+    # the row's keys stay in registers, in the narrower tile where the program's rows fit it (a selection
+    # round costs in proportion to the tile: causal prefill rows see few blocks)
+    if scan_end <= SHORT_N:
+        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, SHORT_N)
+    elif scan_end <= BLOCK_N:
+        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
     else:  # long rows: per slot, the largest key below the previous slot's
         previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
         for slot in range(TOPK):
@@ -509,6 +533,7 @@ def index_topk(
         TOPK=topk,
         ROWS=schedule.topk_rows,
         BLOCK_N=schedule.topk_block_n,
+        SHORT_N=min(schedule.topk_short_n, schedule.topk_block_n),
         num_warps=schedule.topk_warps,
     )
     return out
