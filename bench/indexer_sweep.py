@@ -51,11 +51,12 @@ DECODE_VARIANTS = {
     "warps8": {"score_warps": 8},
 }
 PREFILL_VARIANTS = {
-    "keys_major": {"keys_major": True},
-    "warps4": {"score_warps": 4},
     "stages3": {"score_stages": 3},
-    "chunks_x2": "chunks*2",
-    "block_t/2": "block_t/2",
+    "topk_rows32": {"topk_rows": 32},
+    "topk_rows8": {"topk_rows": 8},
+    "topk_warps8": {"topk_warps": 8},
+    "topk_short32": {"topk_short_n": 32},
+    "topk_short256": {"topk_short_n": 256},
 }
 
 

@@ -21,8 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_table(fn, iters: int) -> tuple[list[tuple[str, float, float]], float, int]:
-    """(name, launches per call, µs per call) rows sorted by time, total kernel µs per call, launches per call."""
+def kernel_table(fn, iters: int):
+    """Per kernel name: (name, launches per call, µs per call) sorted by time; the launches of one call in
+    order with their mean µs; total kernel µs per call."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -30,14 +31,21 @@ def kernel_table(fn, iters: int) -> tuple[list[tuple[str, float, float]], float,
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
     per_name = collections.defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_name[event.name[:90]]
-            entry[0] += 1
-            entry[1] += event.device_time
+    for event in events:
+        entry = per_name[event.name[:90]]
+        entry[0] += 1
+        entry[1] += event.device_time
     rows = sorted(((n, c / iters, t / iters) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
-    return rows, sum(r[2] for r in rows), round(sum(r[1] for r in rows))
+    per_call = len(events) // iters
+    sequence = [
+        (events[i].name[:90], sum(events[j * per_call + i].device_time for j in range(iters)) / iters)
+        for i in range(per_call)
+    ]
+    return rows, sequence, sum(r[2] for r in rows)
 
 
 def graph_us(fn, replays: int = 20) -> float:
@@ -60,21 +68,24 @@ def graph_us(fn, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def report(title: str, fn, iters: int, lines: list[str], graph: bool = True) -> None:
-    rows, total, launches = kernel_table(fn, iters)
-    replay = graph_us(fn) if graph else float("nan")
+def report(title: str, fn, iters: int, lines: list[str]) -> None:
+    rows, sequence, total = kernel_table(fn, iters)
+    replay = graph_us(fn)
+    start = len(lines)
     lines += [
         f"### {title}",
         "",
-        f"{launches} kernels per call, {total:.1f} µs of kernel time; CUDA-graph replay {replay:.1f} µs "
+        f"{len(sequence)} kernels per call, {total:.1f} µs of kernel time; CUDA-graph replay {replay:.1f} µs "
         f"(gaps {replay - total:.1f} µs)",
         "",
         "| kernel | launches/call | µs/launch | µs/call |",
         "|---|---|---|---|",
     ]
     lines += [f"| `{n}` | {c:g} | {t / c:.2f} | {t:.2f} |" for n, c, t in rows[:25]]
+    lines += ["", "Launch order (µs):", "", "| # | kernel | µs |", "|---|---|---|"]
+    lines += [f"| {i} | `{n[:60]}` | {t:.2f} |" for i, (n, t) in enumerate(sequence)]
     lines.append("")
-    print("\n".join(lines[-len(rows[:25]) - 7 :]), flush=True)
+    print("\n".join(lines[start:]), flush=True)
 
 
 def moe_rows(tokens: list[int], iters: int, lines: list[str]) -> None:
@@ -122,13 +133,13 @@ def layer_rows(iters: int, lines: list[str]) -> None:
     config, model, runtime, batch, prompt, _ = _workload(_Ctx)
     fns = compile_model(model)
     lens = [prompt] * batch
-    prompts, _ = workload_tokens(config.vocab_size, lens, 1, seed=0)
+    prompts, decode_tokens = workload_tokens(config.vocab_size, lens, 1, seed=0)  # the demo's random tokens
     runtime.reset()
     with torch.no_grad():
         fns[0](torch.cat(prompts).to(runtime.device), runtime.add_prompts(lens), runtime.caches)
         graphed = GraphedDecode(model, runtime, decode_fn=fns[1], batch_sizes=(batch,))
         runtime.advance([1] * batch)
-        graphed.buffers.write(batch, [1] * batch, runtime.seq_lens, runtime.block_tables)
+        graphed.buffers.write(batch, decode_tokens[0], runtime.seq_lens, runtime.block_tables)
         report(f"m3-1layer decode step B{batch} after {prompt} (compiled)", lambda: graphed._run(batch), iters, lines)
 
 

@@ -83,7 +83,7 @@ def variants(moe, device, timer, tokens, configs_for):
     cfg = moe.config
     ex = moe.experts
     print("\n== grouped GEMM variants (CUDA-graph replay, us per call; bytes = active experts' MXFP8 bytes)")
-    print("| tokens | GEMM | config (BM,BN,BK,warps,stages) | us | GB/s | TFLOP/s |")
+    print("| tokens | GEMM | config (BM,BN,BK,warps,stages,prefetch) | us | GB/s | TFLOP/s |")
     for T in tokens:
         if time.monotonic() - T0 > BUDGET * 0.55:
             print(f"| {T} | skipped: budget |")
@@ -123,7 +123,7 @@ def variants(moe, device, timer, tokens, configs_for):
                             )
                         )
                     ms = timer.graph(fns)
-                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}"
+                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages},{int(c.PREFETCH)}"
                     print(
                         f"| {T} | {name} | {cs} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.0f} |"
                     )
@@ -135,11 +135,66 @@ def variants(moe, device, timer, tokens, configs_for):
 def decode_configs(T):
     default = gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda"))
     out = [default]
-    for bn, bk, st, w in ((32, 256, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (64, 256, 5, 8)):
-        c = GemmConfig(16, bn, bk, w, st)
+    for bn, bk, st, w, pf in (
+        (64, 256, 4, 4, False),
+        (64, 256, 4, 4, True),
+        (64, 256, 1, 4, True),
+        (64, 512, 1, 4, True),
+        (32, 256, 4, 4, True),
+        (128, 256, 1, 4, True),
+        (128, 128, 4, 4, True),
+    ):
+        c = GemmConfig(16, bn, bk, w, st, pf)
         if c != default:
             out.append(c)
     return out
+
+
+def linear_variants(moe, device, timer):
+    """The shared expert's two GEMMs (one expert) at 1 and 32 tokens under decode tile variants."""
+    sh = moe.shared
+    fmt = platform.fp8_format(sh.gate_up.values.dtype)
+    print("\n== one-expert linear variants (shared expert; CUDA-graph replay, us per call)")
+    print("| tokens | GEMM | config (BM,BN,BK,warps,stages,prefetch) | us | GB/s |")
+    for T in (1, 32):
+        gen = torch.Generator(device=device).manual_seed(T)
+        for name, wt in (("gate_up", sh.gate_up), ("down", sh.down)):
+            N, K = wt.values.shape
+            default = gemm_schedule(T, N, K, 1, device)
+            configs = [default] + [
+                GemmConfig(16, bn, 256, 4, st, pf)
+                for bn, st, pf in (
+                    (32, 4, False),
+                    (64, 4, False),
+                    (32, 1, True),
+                    (64, 1, True),
+                    (64, 4, True),
+                    (128, 1, True),
+                )
+            ]
+            for c in dict.fromkeys(configs):
+                xs = []
+                for _ in range(4):
+                    a = torch.randn(T, K, generator=gen, device=device)
+                    if name == "gate_up":
+                        xs.append((a.to(torch.bfloat16), None))
+                    else:
+                        v, s = torch.ops.mm3.mxfp8_quantize(a)
+                        xs.append((v, s.view(torch.uint8)))
+                try:
+                    fns = [
+                        lambda a=a, c=c, wt=wt: gemm_kernels.mxfp8_gemm(
+                            a[0], a[1], wt.values[None], wt.scales[None], fmt, c, torch.bfloat16
+                        )
+                        for a in xs
+                    ]
+                    ms = timer.graph(fns)
+                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages},{int(c.PREFETCH)}"
+                    tag = " (default)" if c == default else ""
+                    print(f"| {T} | {name} | {cs}{tag} | {ms * 1e3:.1f} | {N * K * (1 + 1 / 32) / ms / 1e6:.0f} |")
+                except Exception as e:  # noqa: BLE001 (a config that does not compile is a row)
+                    print(f"| {T} | {name} | {c} | error {type(e).__name__}: {str(e)[:120]} |")
+                sys.stdout.flush()
 
 
 def prefill_configs(T):
@@ -157,6 +212,7 @@ def main():
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--skip-family", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args()
     BUDGET = args.budget_s
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -168,7 +224,9 @@ def main():
     if not args.cpu:
         timer = Timer(device, quick=True)
         variants(moe, device, timer, [1, 32], decode_configs)
-        variants(moe, device, timer, [8192], prefill_configs)
+        linear_variants(moe, device, timer)
+        if not args.skip_prefill:
+            variants(moe, device, timer, [8192], prefill_configs)
         print(f"[{time.monotonic() - T0:.0f} s]", flush=True)
     if args.skip_family:
         return

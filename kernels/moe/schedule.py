@@ -17,11 +17,13 @@ class GemmConfig:
     BLOCK_K: int  # a multiple of the MX block: one scale column per 32 values
     num_warps: int
     num_stages: int
+    PREFETCH: bool = False  # load the next k step's tiles before computing this one (registers, not stages)
 
     def launch_options(self) -> dict:
         return {
             "BLOCK_N": self.BLOCK_N,
             "BLOCK_K": self.BLOCK_K,
+            "PREFETCH": self.PREFETCH,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
@@ -67,7 +69,11 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, 
     block_n = 64
     while block_n > 16 and active * triton.cdiv(n, block_n) < sm_count:
         block_n //= 2
-    return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4)
+    # each k step's weight tile is dequantized in registers and staged through shared memory for the dot, a
+    # serial chain per step: the next step's loads are issued before it (PREFETCH) to keep bytes in flight
+    return GemmConfig(
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4, PREFETCH=True
+    )
 
 
 def num_blocks(rows, num_experts: int, block_m: int):

@@ -7,6 +7,8 @@ float8_e8m0fnu); the kernels dequantize them in registers. ``mm3::moe_experts`` 
 weights in its epilogue, sum over the top-k slots).
 """
 
+import dataclasses
+
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
@@ -199,7 +201,7 @@ def mxfp8_grouped_gemm(
     require_kernel_device("x", x)
     N, K = w_values.shape[1], w_values.shape[2]
     config = gemm_schedule(x.shape[0] * top_k, N, K, w_values.shape[0], x.device)
-    config = type(config)(block_m, config.BLOCK_N, config.BLOCK_K, config.num_warps, config.num_stages)
+    config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
         return gemm_kernels.mxfp8_gemm(
