@@ -83,7 +83,7 @@ def variants(moe, device, timer, tokens, configs_for):
     cfg = moe.config
     ex = moe.experts
     print("\n== grouped GEMM variants (CUDA-graph replay, us per call; bytes = active experts' MXFP8 bytes)")
-    print("| tokens | GEMM | config (BM,BN,BK,warps,stages,prefetch) | us | GB/s | TFLOP/s |")
+    print("| tokens | GEMM | config (BM,BN,BK,warps,stages) | us | GB/s | TFLOP/s |")
     for T in tokens:
         if time.monotonic() - T0 > BUDGET * 0.55:
             print(f"| {T} | skipped: budget |")
@@ -123,7 +123,7 @@ def variants(moe, device, timer, tokens, configs_for):
                             )
                         )
                     ms = timer.graph(fns)
-                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages},{int(c.PREFETCH)}"
+                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}"
                     print(
                         f"| {T} | {name} | {cs} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.0f} |"
                     )
@@ -135,16 +135,8 @@ def variants(moe, device, timer, tokens, configs_for):
 def decode_configs(T):
     default = gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda"))
     out = [default]
-    for bn, bk, st, w, pf in (
-        (64, 256, 4, 4, False),
-        (64, 256, 4, 4, True),
-        (64, 256, 1, 4, True),
-        (64, 512, 1, 4, True),
-        (32, 256, 4, 4, True),
-        (128, 256, 1, 4, True),
-        (128, 128, 4, 4, True),
-    ):
-        c = GemmConfig(16, bn, bk, w, st, pf)
+    for bn, bk, st, w in ((64, 256, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4)):
+        c = GemmConfig(16, bn, bk, w, st)
         if c != default:
             out.append(c)
     return out
@@ -155,7 +147,7 @@ def linear_variants(moe, device, timer):
     sh = moe.shared
     fmt = platform.fp8_format(sh.gate_up.values.dtype)
     print("\n== one-expert linear variants (shared expert; CUDA-graph replay, us per call)")
-    print("| tokens | GEMM | config (BM,BN,BK,warps,stages,prefetch) | us | GB/s |")
+    print("| tokens | GEMM | config (BM,BN,BK,warps,stages) | us | GB/s |")
     for T in (1, 32):
         gen = torch.Generator(device=device).manual_seed(T)
         for name, wt in (("gate_up", sh.gate_up), ("down", sh.down)):
@@ -189,7 +181,7 @@ def linear_variants(moe, device, timer):
                         for a in xs
                     ]
                     ms = timer.graph(fns)
-                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages},{int(c.PREFETCH)}"
+                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}"
                     tag = " (default)" if c == default else ""
                     print(f"| {T} | {name} | {cs}{tag} | {ms * 1e3:.1f} | {N * K * (1 + 1 / 32) / ms / 1e6:.0f} |")
                 except Exception as e:  # noqa: BLE001 (a config that does not compile is a row)

@@ -113,7 +113,7 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
         block_t=block_t,
         chunks=chunks,
         score_warps=8 if prefill else 4,
-        score_stages=2 if prefill else 3,
+        score_stages=3,  # prefill too (bench/NOTES.md, indexer prefill top-k tile)
         keys_major=False,
         topk_rows=topk_rows,
         topk_block_n=256,

@@ -63,42 +63,6 @@ def _round_bf16(v, INT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _load_step(
-    x_ptr,
-    x_scales_ptr,
-    w_ptr,
-    w_scales_ptr,
-    x_rows,
-    w_rows,
-    valid,
-    col_ok,
-    k0,
-    K,
-    k_blocks,
-    BLOCK_K: tl.constexpr,
-    X_MX: tl.constexpr,
-):
-    """The tiles of k step ``[k0, k0 + BLOCK_K)``: weight codes + scale bytes, x values (+ scale bytes when MX)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    kb = k0 // MX + tl.arange(0, BLOCK_K // MX)
-    k_ok = ks < K
-    kb_ok = kb < k_blocks
-    # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
-    w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-    w_sb = tl.load(
-        w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
-    )
-    x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-    if X_MX:
-        x_sb = tl.load(
-            x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :], mask=valid[:, None] & kb_ok[None, :], other=0
-        )
-    else:
-        x_sb = w_sb  # unused: the same tuple shape for both kinds of x
-    return w_codes, w_sb, x_codes, x_sb
-
-
-@triton.jit
 def _mxfp8_gemm_kernel(
     x_ptr,  # [M, K] float, or MXFP8 bytes/typed values when X_MX
     x_scales_ptr,  # [M, K / 32] uint8 (X_MX only)
@@ -121,7 +85,6 @@ def _mxfp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load step k + 1's tiles before step k's dequantize + dot (decode: latency-bound)
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -150,50 +113,30 @@ def _mxfp8_gemm_kernel(
         col_ok = cols < N
         w_rows = expert.to(tl.int64) * N + tl.where(col_ok, cols, 0)  # [BLOCK_N] rows of the flat [E*N, K]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PREFETCH:  # the first step's tiles; each step then loads the next one before it computes
-            w_codes, w_sb, x_codes, x_sb = _load_step(
-                x_ptr, x_scales_ptr, w_ptr, w_scales_ptr, x_rows, w_rows, valid, col_ok, 0, K, k_blocks, BLOCK_K, X_MX
-            )
+        NBK: tl.constexpr = BLOCK_K // MX
         for k0 in range(0, K, BLOCK_K):
-            if PREFETCH:
-                cur_w, cur_wsb, cur_x, cur_xsb = w_codes, w_sb, x_codes, x_sb
-                # past the last step every lane is masked: nothing is read
-                w_codes, w_sb, x_codes, x_sb = _load_step(
-                    x_ptr,
-                    x_scales_ptr,
-                    w_ptr,
-                    w_scales_ptr,
-                    x_rows,
-                    w_rows,
-                    valid,
-                    col_ok,
-                    k0 + BLOCK_K,
-                    K,
-                    k_blocks,
-                    BLOCK_K,
-                    X_MX,
-                )
-            else:
-                cur_w, cur_wsb, cur_x, cur_xsb = _load_step(
-                    x_ptr,
-                    x_scales_ptr,
-                    w_ptr,
-                    w_scales_ptr,
-                    x_rows,
-                    w_rows,
-                    valid,
-                    col_ok,
-                    k0,
-                    K,
-                    k_blocks,
-                    BLOCK_K,
-                    X_MX,
-                )
-            w = _mx_tile(cur_w, cur_wsb, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kb = k0 // MX + tl.arange(0, NBK)
+            k_ok = ks < K
+            kb_ok = kb < k_blocks
+            # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+            w_sb = tl.load(
+                w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
+            )
+            w = _mx_tile(w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
+            x_mask = valid[:, None] & k_ok[None, :]
             if X_MX:
-                xt = _mx_tile(cur_x, cur_xsb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
+                x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
+                x_sb = tl.load(
+                    x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :],
+                    mask=valid[:, None] & kb_ok[None, :],
+                    other=0,
+                )
+                xt = _mx_tile(x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             else:
-                xt = cur_x.to(DOT_DTYPE)
+                xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
             else:

@@ -1,4 +1,4 @@
-"""The launch configuration of the MoE GEMMs: a pure function of shapes and the SM count.
+"""The launch configuration of the MoE GEMMs: a pure function of shapes (and whether the interpreter runs them).
 
 The launchers and the tests share it, so a test can name the tile its inputs exercise (a token count that is
 not a multiple of ``BLOCK_M``, a grid with empty blocks).
@@ -17,13 +17,11 @@ class GemmConfig:
     BLOCK_K: int  # a multiple of the MX block: one scale column per 32 values
     num_warps: int
     num_stages: int
-    PREFETCH: bool = False  # load the next k step's tiles before computing this one (registers, not stages)
 
     def launch_options(self) -> dict:
         return {
             "BLOCK_N": self.BLOCK_N,
             "BLOCK_K": self.BLOCK_K,
-            "PREFETCH": self.PREFETCH,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
@@ -34,7 +32,7 @@ class GemmConfig:
 INTERPRETER = GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, num_warps=4, num_stages=1)
 
 
-def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, interpreting: bool) -> GemmConfig:
+def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: bool) -> GemmConfig:
     """Tiles for ``rows`` (token, expert) pairs through ``num_experts`` weights of ``[n, k]``.
 
     Args:
@@ -42,19 +40,17 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, 
             without a hint): the decode schedule, correct for every size.
         n, k: the weight's output and input widths.
         num_experts: experts sharing the rows (1 for the linear).
-        sm_count: streaming multiprocessors (or compute units) of the device.
         interpreting: the Triton interpreter runs one numpy program at a time: few, large programs.
 
     Returns:
         A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
-        smallest ``tl.dot``) and ``BLOCK_N`` small enough that the active experts' column tiles give every SM
-        several programs to stream from. Prefill (many rows per expert) uses tensor-core tiles that reuse
+        smallest ``tl.dot``) and 64-column tiles streaming the weights. Prefill (many rows per expert) uses tensor-core tiles that reuse
         each dequantized weight tile over 128 rows.
 
     Examples:
-        >>> schedule(4, 6144, 6144, 128, 132, False).BLOCK_M
+        >>> schedule(4, 6144, 6144, 128, False).BLOCK_M
         16
-        >>> schedule(32768, 6144, 6144, 128, 132, False).BLOCK_M
+        >>> schedule(32768, 6144, 6144, 128, False).BLOCK_M
         128
     """
     if interpreting:
@@ -62,18 +58,11 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, sm_count: int, 
     rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
     if rows_per_expert is not None and rows_per_expert >= 64:
         return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
-    # 64 columns per program streamed the weights fastest at 1 and 32 tokens (wider tiles leave too few
-    # loads in flight per SM, narrower ones re-read the rows' activations): narrower only for a grid
-    # that would not give every SM a program
-    active = num_experts if rows is None else min(num_experts, rows)
-    block_n = 64
-    while block_n > 16 and active * triton.cdiv(n, block_n) < sm_count:
-        block_n //= 2
-    # each k step's weight tile is dequantized in registers and staged through shared memory for the dot, a
-    # serial chain per step: the next step's loads are issued before it (PREFETCH) to keep bytes in flight
-    return GemmConfig(
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4, PREFETCH=True
-    )
+    # 64 columns per program streamed the weights fastest at 1 and 32 tokens, for 4 experts and for one
+    # (wider tiles leave too few loads in flight per SM, narrower ones pay their per-step overhead on half
+    # the bytes), even where the grid leaves SMs idle: one expert's 96 programs beat 192 of 32 columns 2x
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4)
 
 
 def num_blocks(rows, num_experts: int, block_m: int):

@@ -25,16 +25,9 @@ SCALE_DTYPES = (torch.uint8, E8M0_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda" or platform.interpreting():
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device):
     """The GEMM tiles for ``rows`` pairs (a size hint under tracing: one config per graph)."""
-    return schedule(size_hint(rows), n, k, num_experts, _sm_count(device), platform.interpreting())
+    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting())
 
 
 def _check_weight(values: torch.Tensor, scales: torch.Tensor, ndim: int, prefix: str = "") -> None:
