@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.timing import Timer
+
 
 def kernel_table(fn, iters: int):
     """Per kernel name: (name, launches per call, µs per call) sorted by time; the launches of one call in
@@ -48,29 +50,9 @@ def kernel_table(fn, iters: int):
     return rows, sequence, sum(r[2] for r in rows)
 
 
-def graph_us(fn, replays: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays
-
-
 def report(title: str, fn, iters: int, lines: list[str]) -> None:
     rows, sequence, total = kernel_table(fn, iters)
-    replay = graph_us(fn)
+    replay = Timer(torch.device("cuda"), quick=True).graph([fn]) * 1e3  # µs per call, calls replayed in one graph
     start = len(lines)
     lines += [
         f"### {title}",
