@@ -45,12 +45,13 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models.attention import AttentionMetadata
 from mm3_compile.models.model import MiniMaxM3ForCausalLM
-from mm3_compile.models.runtime import PagedKVRuntime
+from mm3_compile.models.runtime import PagedKVRuntime, write_block_table
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -93,6 +94,7 @@ class StaticDecodeBuffers:
         self.dev = {n: torch.zeros(shapes[n], dtype=dt, device=device) for n, dt in self.FIELDS.items()}
         self._copied = torch.cuda.Event() if pin else None
         self._views: dict[int, tuple[torch.Tensor, AttentionMetadata]] = {}
+        self._host_views: dict[int, dict[str, np.ndarray]] = {}  # numpy views of the pinned mirror per bucket
 
     def views(self, bucket: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """(input_ids [bucket], metadata of ``bucket`` requests), views of the static device buffers."""
@@ -121,27 +123,39 @@ class StaticDecodeBuffers:
         """One decode token per request: request r's values (``seq_lens[r]`` includes the new token,
         ``block_tables[r]`` its pages), rows past them padding; copied in place, without waiting for the device."""
         batch = len(seq_lens)
+        # numpy on views of the pinned mirror, a few vectorised writes: this host work precedes every replay
+        # (per-request torch calls made it the replayed step's bottleneck: bench/NOTES.md)
+        counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        if len(block_tables) != batch or (batch and int(counts.max()) > self.max_blocks):
+            raise ValueError(
+                f"block_tables: expected {batch} rows (one per seq_len) of at most {self.max_blocks} pages, "
+                f"got {len(block_tables)} rows of up to {int(counts.max()) if batch else 0}"
+            )
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned mirror
-        h = {n: t[: bucket + 1 if n == "cu_seqlens_q" else bucket] for n, t in self.host.items()}
-        lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+        if bucket not in self._host_views:
+            self._host_views[bucket] = {
+                n: t[: bucket + 1 if n == "cu_seqlens_q" else bucket].numpy() for n, t in self.host.items()
+            }
+        h = self._host_views[bucket]
+        lens = np.fromiter(seq_lens, dtype=np.int64, count=batch)
         pos = lens - 1  # the new token's position
-        for t in h.values():
-            t.zero_()
-        h["input_ids"][:batch] = torch.as_tensor(input_ids, dtype=torch.int64)
+        for a in h.values():
+            a.fill(0)
+        ids = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, dtype=np.int64)
+        h["input_ids"][:batch] = ids
         h["seq_lens"][:batch] = lens
         h["positions"][:batch] = pos
-        h["cu_seqlens_q"].copy_(torch.arange(bucket + 1, dtype=torch.int32))  # one token per row, padding included
+        h["cu_seqlens_q"][:] = np.arange(bucket + 1)  # one token per row, padding included
         table = h["block_table"]
-        for r, pages in enumerate(block_tables):
-            table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        h["slot_mapping"].fill_(-1)  # padding rows write nothing
-        pages = table[:batch].long().gather(1, (pos // PAGE_SIZE)[:, None])[:, 0]
+        write_block_table(table, block_tables)
+        h["slot_mapping"].fill(-1)  # padding rows write nothing
+        pages = table[np.arange(batch), pos // PAGE_SIZE].astype(np.int64)
         h["slot_mapping"][:batch] = pages * PAGE_SIZE + pos % PAGE_SIZE
         views = self.views(bucket)
-        for name, src in h.items():
+        for name, t in self.host.items():
             dst = views[0] if name == "input_ids" else getattr(views[1], name)
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(t[: dst.shape[0]], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 

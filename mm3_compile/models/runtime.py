@@ -9,16 +9,27 @@ indirect (logical block i of a request is rarely page i).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from mm3_compile import dynamic_shapes, platform
 from mm3_compile.contract import PAGE_SIZE
 from mm3_compile.models.attention import AttentionMetadata, check_uniform_decode, write_index_cache
 from mm3_compile.models.model import MiniMaxM3ForCausalLM
+
+
+def write_block_table(table: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
+    """Row r of ``table`` ([R, max_blocks], zeros past each row's pages) = ``block_tables[r]``, in one scatter
+    (per-row torch calls cost tens of µs each: host work that precedes every decode step)."""
+    counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    rows = np.repeat(np.arange(len(block_tables)), counts)
+    cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    table[rows, cols] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=rows.size)
 
 
 class PagedKVRuntime:
@@ -90,19 +101,19 @@ class PagedKVRuntime:
             self.block_tables[r].append(self.free_pages.pop())
 
     def _metadata(self, q_lens: Sequence[int]) -> AttentionMetadata:
-        positions, slots = [], []
-        for r, q_len in enumerate(q_lens):
-            for p in range(self.seq_lens[r] - q_len, self.seq_lens[r]):
-                positions.append(p)
-                slots.append(self.block_tables[r][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
-        table = torch.zeros(len(q_lens), self.max_blocks_per_request, dtype=torch.int32)
-        for r, pages in enumerate(self.block_tables):
-            table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        cu = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+        q = np.fromiter(q_lens, dtype=np.int64, count=len(q_lens))
+        lens = np.fromiter(self.seq_lens, dtype=np.int64, count=len(self.seq_lens))
+        table = np.zeros((len(q_lens), self.max_blocks_per_request), dtype=np.int32)
+        write_block_table(table, self.block_tables)
+        # the q_len[r] new tokens of request r sit at positions seq_len[r] - q_len[r] ... seq_len[r] - 1
+        req = np.repeat(np.arange(len(q)), q)
+        positions = np.arange(req.size) - np.repeat(np.cumsum(q) - q, q) + np.repeat(lens - q, q)
+        slots = table[req, positions // PAGE_SIZE].astype(np.int64) * PAGE_SIZE + positions % PAGE_SIZE
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(q)]).astype(np.int32))
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_table=table.to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_table=torch.from_numpy(table).to(self.device),
             cu_seqlens_q=cu.to(self.device),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device),
             kv_cache_dtype=self.kv_cache_dtype,

@@ -45,6 +45,10 @@ def test_static_buffers_hold_the_runtime_metadata_with_padding_rows():
     assert [
         t.data_ptr() for t in (ids, meta.positions, meta.slot_mapping, meta.block_table, meta.seq_lens)
     ] == addresses
+    with pytest.raises(ValueError, match="block_tables: expected 1 rows .* at most 3 pages, got 1 rows of up to 4"):
+        buffers.write(2, [1], seq_lens=[130], block_tables=[[3, 9, 1, 2]])
+    with pytest.raises(ValueError, match="block_tables: expected 2 rows"):
+        buffers.write(2, [1, 2], seq_lens=[130, 3], block_tables=[[3, 9]])
 
 
 def _prefilled(config, state, model, device):
