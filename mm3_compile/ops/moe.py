@@ -321,7 +321,7 @@ def moe_experts(
 
     Returns:
         ``[T, H]`` fp32. The chain ``moe_align -> mxfp8_grouped_gemm -> swiglu_oai_mxfp8_quant ->
-        mxfp8_grouped_gemm`` in one op, so the row tile is chosen from the shapes and the SM count inside the op
+        mxfp8_grouped_gemm`` in one op, so the row tile is chosen from the shapes inside the op
         (at trace time under torch.compile, never by Dynamo): the activation between the GEMMs is the MXFP8
         output of ``swiglu_oai_mxfp8_quant``, never dequantized to memory; the router weights scale GEMM2's fp32
         accumulator; the k slots are summed in a fixed order (deterministic).
