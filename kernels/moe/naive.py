@@ -8,7 +8,7 @@ from mm3_compile.contract import E8M0_BIAS, MX_BLOCK_SIZE
 def mx_dequantize_f64(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """values [..., K] (any FP8 dtype) x 2^(E8M0 byte - 127) per 32-block -> float64 [..., K].
 
-    The E8M0 byte 255 is NaN; a product at or past 2^128 (e.g. 448 x 2^127) is +-Inf, as it is for every fp32
+    The E8M0 byte 255 is NaN; a product at or past 2^128 (the largest codes times 2^127) is +-Inf, as it is for every fp32
     or bf16 consumer of the value (bf16 holds every smaller product exactly).
     """
     sb = scales.view(torch.uint8).double()

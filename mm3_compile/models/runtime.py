@@ -24,8 +24,8 @@ from mm3_compile.models.model import MiniMaxM3ForCausalLM
 
 
 def write_block_table(table: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
-    """Row r of ``table`` ([R, max_blocks], zeros past each row's pages) = ``block_tables[r]``, in one scatter
-    (per-row torch calls cost tens of µs each: host work that precedes every decode step)."""
+    """Row r of ``table`` ([R, max_blocks], zeros past each row's pages) = ``block_tables[r]``, in one scatter:
+    host work that precedes every decode step, where per-row torch calls were the step's bottleneck."""
     counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
     rows = np.repeat(np.arange(len(block_tables)), counts)
     cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)

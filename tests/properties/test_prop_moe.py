@@ -80,14 +80,9 @@ def bf16_dot(x_dtype):
 
 def grouped_ref(x64, values, scales, ids, bf16):
     """Per pair ``x[t] @ W[ids[t, j]]^T`` in float64, with the weights as the dot sees them (``x64`` likewise)."""
-    w = dot_operand(mx_dequantize_f64(values, scales), bf16)
     flat = ids.reshape(-1)
     rows = x64 if x64.shape[0] == flat.numel() else x64.repeat_interleave(ids.shape[1], dim=0)
-    out = torch.empty(flat.numel(), values.shape[1], dtype=torch.float64)
-    for e in flat.unique().tolist():
-        sel = (flat == e).nonzero().squeeze(1)
-        out[sel] = rows[sel] @ w[e].T
-    return out
+    return torch.einsum("pk,pnk->pn", rows, dot_operand(mx_dequantize_f64(values, scales), bf16)[flat])
 
 
 def assert_within(got, ref, bound, what, out_dtype):
