@@ -123,7 +123,7 @@ def variants(moe, device, timer, tokens, configs_for):
                             )
                         )
                     ms = timer.graph(fns)
-                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}"
+                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}" + (",swap" * c.SWAP_AB)
                     print(
                         f"| {T} | {name} | {cs} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | {flops / ms / 1e9:.0f} |"
                     )
@@ -135,66 +135,71 @@ def variants(moe, device, timer, tokens, configs_for):
 def decode_configs(T):
     default = gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda"))
     out = [default]
-    for bn, bk, st, w in ((64, 256, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 3, 4)):
-        c = GemmConfig(16, bn, bk, w, st)
+    for bn, bk, st, w, swap in (
+        (64, 256, 4, 4, True),
+        (128, 256, 4, 4, True),
+        (64, 128, 4, 4, True),
+        (64, 256, 3, 4, True),
+    ):
+        c = GemmConfig(16, bn, bk, w, st, swap)
         if c != default:
             out.append(c)
     return out
 
 
-def linear_variants(moe, device, timer):
-    """The shared expert's two GEMMs (one expert) at 1 and 32 tokens under decode tile variants."""
-    sh = moe.shared
-    fmt = platform.fp8_format(sh.gate_up.values.dtype)
-    print("\n== one-expert linear variants (shared expert; CUDA-graph replay, us per call)")
-    print("| tokens | GEMM | config (BM,BN,BK,warps,stages) | us | GB/s |")
-    for T in (1, 32):
+def block_variants(moe, device, timer, tokens, prefill_tokens):
+    """The compiled block: the shared expert folded into the routed launches or separate, and the operand order
+    of the GEMMs (``SWAP_AB``), patched into the op's schedule for this probe only."""
+    import dataclasses
+
+    import mm3_compile.ops.moe as ops_moe
+
+    cfg = moe.config
+    base_schedule = ops_moe.schedule
+    variants = (("folded", True, False), ("separate", False, False), ("folded+swap", True, True))
+    print("\n== compiled block variants (graph replay for decode, launched for prefill; us)")
+    print("| tokens | " + " | ".join(v[0] for v in variants) + " | max rel. diff vs separate |")
+    inputs = {}
+    for T in tokens + prefill_tokens:
         gen = torch.Generator(device=device).manual_seed(T)
-        for name, wt in (("gate_up", sh.gate_up), ("down", sh.down)):
-            N, K = wt.values.shape
-            default = gemm_schedule(T, N, K, 1, device)
-            configs = [default] + [
-                GemmConfig(16, bn, 256, 4, st, pf)
-                for bn, st, pf in (
-                    (32, 4, False),
-                    (64, 4, False),
-                    (32, 1, True),
-                    (64, 1, True),
-                    (64, 4, True),
-                    (128, 1, True),
-                )
-            ]
-            for c in dict.fromkeys(configs):
-                xs = []
-                for _ in range(4):
-                    a = torch.randn(T, K, generator=gen, device=device)
-                    if name == "gate_up":
-                        xs.append((a.to(torch.bfloat16), None))
-                    else:
-                        v, s = torch.ops.mm3.mxfp8_quantize(a)
-                        xs.append((v, s.view(torch.uint8)))
-                try:
-                    fns = [
-                        lambda a=a, c=c, wt=wt: gemm_kernels.mxfp8_gemm(
-                            a[0], a[1], wt.values[None], wt.scales[None], fmt, c, torch.bfloat16
-                        )
-                        for a in xs
-                    ]
-                    ms = timer.graph(fns)
-                    cs = f"{c.BLOCK_M},{c.BLOCK_N},{c.BLOCK_K},{c.num_warps},{c.num_stages}"
-                    tag = " (default)" if c == default else ""
-                    print(f"| {T} | {name} | {cs}{tag} | {ms * 1e3:.1f} | {N * K * (1 + 1 / 32) / ms / 1e6:.0f} |")
-                except Exception as e:  # noqa: BLE001 (a config that does not compile is a row)
-                    print(f"| {T} | {name} | {c} | error {type(e).__name__}: {str(e)[:120]} |")
-                sys.stdout.flush()
+        n = 1 if T in prefill_tokens else 4
+        inputs[T] = [torch.randn(T, cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16) for _ in range(n)]
+    us, outs = {}, {}
+    for name, fold, swap in variants:
+        moe.experts.can_fold = lambda shared, fold=fold: fold  # instance attribute: this probe only
+        ops_moe.schedule = lambda *a, swap=swap: dataclasses.replace(base_schedule(*a), SWAP_AB=swap)
+        torch._dynamo.reset()
+        compiled = torch.compile(moe, fullgraph=True, dynamic=False)
+        for T, xs in inputs.items():
+            if time.monotonic() - T0 > BUDGET * 0.8:
+                continue
+            try:
+                outs[name, T] = compiled(xs[0]).float()
+                fns = [lambda x=x, f=compiled: f(x) for x in xs]
+                us[name, T] = (timer.launched(fns) if T in prefill_tokens else timer.graph(fns)) * 1e3
+            except Exception as e:  # noqa: BLE001 (a variant that does not compile is a row)
+                print(f"| {T} | {name}: error {type(e).__name__}: {str(e)[:160]} |", flush=True)
+    ops_moe.schedule = base_schedule
+    del moe.experts.can_fold
+    for T in inputs:
+        ref = outs.get(("separate", T))
+        cells = [f"{us[v[0], T]:.1f}" if (v[0], T) in us else "-" for v in variants]
+        diffs = [
+            f"{float((outs[v[0], T] - ref).abs().max() / ref.abs().max()):.1e}"
+            for v in variants
+            if ref is not None and (v[0], T) in outs and v[0] != "separate"
+        ]
+        print(f"| {T} | " + " | ".join(cells) + f" | {', '.join(diffs)} |", flush=True)
 
 
 def prefill_configs(T):
     return [
         gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda")),
-        GemmConfig(128, 128, 64, 4, 3),
-        GemmConfig(128, 256, 64, 8, 3),
-        GemmConfig(64, 128, 64, 4, 4),
+        GemmConfig(128, 128, 64, 4, 3, True),
+        GemmConfig(128, 128, 64, 8, 3, True),
+        GemmConfig(128, 256, 64, 8, 3, True),
+        GemmConfig(128, 128, 128, 8, 3, True),
+        GemmConfig(64, 128, 64, 4, 4, True),
     ]
 
 
@@ -216,9 +221,9 @@ def main():
     if not args.cpu:
         timer = Timer(device, quick=True)
         variants(moe, device, timer, [1, 32], decode_configs)
-        linear_variants(moe, device, timer)
         if not args.skip_prefill:
             variants(moe, device, timer, [8192], prefill_configs)
+        block_variants(moe, device, timer, [1, 32, 128], [] if args.skip_prefill else [8192])
         print(f"[{time.monotonic() - T0:.0f} s]", flush=True)
     if args.skip_family:
         return

@@ -219,10 +219,14 @@ def _mx_weight(*shape):
     return values, scales.view(torch.uint8)
 
 
-@call("moe_experts: 1 token, all rows on one expert, experts without rows, 19 tokens, NaN rows, real widths")
+@call(
+    "moe_experts: 1 token, all rows on one expert, experts without rows, 19 tokens, NaN rows, the shared expert "
+    "in the routed launches, real widths"
+)
 def _():
     E, H, I = 8, 256, 128
     w1, w2 = _mx_weight(E, 2 * I, H), _mx_weight(E, H, I)
+    shared = (*_mx_weight(2 * I, H), *_mx_weight(H, I))
     for T, k, one_expert in ((1, 2, False), (19, 2, True), (37, 4, False)):
         ids = torch.argsort(torch.rand(T, E, device=DEV), dim=-1)[:, :k]  # distinct experts per token
         if one_expert:
@@ -231,11 +235,14 @@ def _():
         x[0, 0] = float("nan")
         weights = torch.rand(T, k, device=DEV)
         torch.ops.mm3.moe_experts(x, ids, weights, *w1, *w2)
+        torch.ops.mm3.moe_experts(x, ids, weights, *w1, *w2, 1.702, 1.0, 7.0, *shared)
     E, H, I = 128, 6144, 3072  # the real widths, decode and a prefill tile
     w1, w2 = _mx_weight(E, 2 * I, H), _mx_weight(E, H, I)
+    shared = (*_mx_weight(2 * I, H), *_mx_weight(H, I))
     for T in (1, 32, 300):
         ids = torch.argsort(torch.rand(T, E, device=DEV), dim=-1)[:, :4]
         torch.ops.mm3.moe_experts(randn(T, H), ids, torch.rand(T, 4, device=DEV), *w1, *w2)
+        torch.ops.mm3.moe_experts(randn(T, H), ids, torch.rand(T, 4, device=DEV), *w1, *w2, 1.702, 1.0, 7.0, *shared)
 
 
 @call("mxfp8_linear: 1 and 300 rows, bf16 and MXFP8 activations, N 16, K 32")

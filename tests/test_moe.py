@@ -13,6 +13,7 @@ e4m3fnuz). Tolerances, measured on these inputs (CPU interpreter):
   across a rounding tie (on GPU accumulation orders); measured 6.1e-8 here.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mm3_compile
 from mm3_compile import platform
+from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
 from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
@@ -108,9 +110,10 @@ def test_grouped_gemms_match_float64(target, T):
         act, act_s = torch.ops.mm3.swiglu_oai_mxfp8_quant(g, 1.702, 1.0, 7.0)
         y = torch.ops.mm3.mxfp8_grouped_gemm(act, v2, s2, pairs, blocks, BLOCK_M, 1, act_s, w.reshape(-1))
     assert g.dtype == torch.bfloat16 and y.dtype == torch.float32 and act.dtype == v1.dtype
-    assert_bf16_close(g, grouped_gemm_ref(x.double(), v1, s1, ids))
+    ulp = dict(rtol=2.0**-7, atol=1e-6)
+    torch.testing.assert_close(g.double(), grouped_gemm_ref(x.double(), v1, s1, ids), **ulp)
     y_ref = grouped_gemm_ref(mx_dequantize_f64(act, act_s), v2, s2, ids)
-    assert_bf16_close(y, y_ref.to(torch.bfloat16).double() * w.reshape(-1, 1).double())
+    torch.testing.assert_close(y.double(), y_ref.to(torch.bfloat16).double() * w.reshape(-1, 1).double(), **ulp)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -123,6 +126,30 @@ def test_linear_matches_float64(target):
     assert y.shape == (2, 3, 2 * I) and y.dtype == torch.bfloat16
     assert_bf16_close(y, mxfp8_linear_ref(x.to(torch.bfloat16), v, s))
     torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_swapped_operand_order_matches_float64(target):
+    """``SWAP_AB`` (out^T = W @ x^T, the weight as the dot's left operand) computes the same GEMMs. Its fp32 sums
+    run in another order, so a near-tie may round to the other bf16 neighbour: within one bf16 ulp (``2^-7``
+    relative; measured 3.95e-3 on one of 2432 GEMM1 outputs, the rest within half an ulp)."""
+    v1, s1 = weights(target, (E, 2 * I, H), 16)
+    v2, s2 = weights(target, (E, H, I), 17)
+    T = 19
+    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 30), torch.rand(T, K_TOP)
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+        config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=BLOCK_M, SWAP_AB=True)
+        pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+        g = gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP)
+        act, act_s = torch.ops.mm3.swiglu_oai_mxfp8_quant(g, 1.702, 1.0, 7.0)
+        y = gemm_kernels.mxfp8_gemm(
+            act, act_s.view(torch.uint8), v2, s2, fmt, config, torch.float32, pairs, blocks, 1, w.reshape(-1)
+        )
+    ulp = dict(rtol=2.0**-7, atol=1e-6)
+    torch.testing.assert_close(g.double(), grouped_gemm_ref(x.double(), v1, s1, ids), **ulp)
+    y_ref = grouped_gemm_ref(mx_dequantize_f64(act, act_s), v2, s2, ids)
+    torch.testing.assert_close(y.double(), y_ref.to(torch.bfloat16).double() * w.reshape(-1, 1).double(), **ulp)
 
 
 def test_nan_and_inf_rows_propagate_like_the_reference():
@@ -160,6 +187,35 @@ def test_moe_experts_matches_float64_chain(target):
     assert out.shape == (T, H) and out.dtype == torch.float32
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err <= MOE_TOL, err
+
+
+def with_shared(ids, w, v, s, sv, ss):
+    """The shared expert as routed expert E with weight 1: the independent form of the folded launch."""
+    T = ids.shape[0]
+    ids = torch.cat([ids, torch.full((T, 1), v.shape[0], dtype=ids.dtype)], 1)
+    w = torch.cat([w, torch.ones(T, 1)], 1)
+    return ids, w, torch.cat([v, sv[None]]), torch.cat([s, ss[None]])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("T", [1, 19])
+def test_shared_expert_in_the_routed_launch_matches_float64(target, T):
+    v1, s1 = weights(target, (E, 2 * I, H), 12)
+    v2, s2 = weights(target, (E, H, I), 13)
+    sv1, ss1 = weights(target, (2 * I, H), 14)
+    sv2, ss2 = weights(target, (H, I), 15)
+    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 20 + T), torch.rand(T, K_TOP)
+    all_ids, all_w, all_v1, all_s1 = with_shared(ids, w, v1, s1, sv1, ss1)
+    _, _, all_v2, all_s2 = with_shared(ids, w, v2, s2, sv2, ss2)
+    with platform.emulate(target):
+        pairs, blocks = torch.ops.mm3.moe_align(all_ids, E + 1, BLOCK_M)
+        g = torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs, blocks, BLOCK_M, K_TOP + 1, None, None, sv1, ss1)
+        out = torch.ops.mm3.moe_experts(x, ids, w, v1, s1, v2, s2, 1.702, 1.0, 7.0, sv1, ss1, sv2, ss2)
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+    assert_bf16_close(g, grouped_gemm_ref(x.double(), all_v1, all_s1, all_ids))
+    ref = moe_reference(x, all_ids, all_w, all_v1, all_s1, all_v2, all_s2, fmt)
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert out.shape == (T, H) and err <= MOE_TOL, err
 
 
 def moe_caller(x, ids, w, v1, s1, v2, s2):
@@ -231,6 +287,23 @@ def test_bad_inputs_name_the_argument(fake):
             ValueError,
             "sorted_pairs",
         ),
+        (
+            lambda: torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs, blocks, BLOCK_M, K_TOP, None, None, v1[0, :16]),
+            ValueError,
+            "shared_values / shared_scales",
+        ),
+        (
+            lambda: torch.ops.mm3.mxfp8_grouped_gemm(
+                x, v1, s1, pairs, blocks, BLOCK_M, K_TOP, None, None, v1[0, :16], s1[0, :16]
+            ),
+            ValueError,
+            "shared_values",
+        ),
+        (
+            lambda: torch.ops.mm3.moe_experts(x, ids, ids.float(), v1, s1, v1, s1, 1.702, 1.0, 7.0, v1[0], s1[0]),
+            ValueError,
+            "shared_gate_up_values / shared_down_values",
+        ),
         (lambda: torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0].T), ValueError, "scales"),
         (lambda: torch.ops.mm3.mxfp8_linear(x.int(), v1[0], s1[0]), TypeError, "x"),
     ]
@@ -270,6 +343,7 @@ def test_gpu_real_width_moe_matches_float64(device):
 
 
 SM90_COMPILE = """
+import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -277,12 +351,14 @@ from mm3_compile import platform
 from mm3_compile.kernels.fp8 import NATIVE_E4M3FN, FP8Launch
 from mm3_compile.kernels.moe.gemm import _mxfp8_gemm_kernel as kernel
 
+SWAP = sys.argv[1] == "swap"
 fp8 = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True, native_store=NATIVE_E4M3FN)  # sm_90
 consts = dict(
-    GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, ROUND_BF16=True, INT_ROUND=False, BLOCK_M=16, BLOCK_N=32,
+    GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, HAS_SHARED=True, ROUND_BF16=True, INT_ROUND=False,
+    BLOCK_M=16, BLOCK_N=32, SWAP_AB=SWAP,
     BLOCK_K=128, DOT_DTYPE=tl.bfloat16, **fp8.constexprs(),
 )
-pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
+pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
 signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 4))
 signature.update(dict.fromkeys(consts, "constexpr"))
 constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
@@ -292,11 +368,13 @@ print("MMA" if "mma" in ptx else "NO-MMA")
 """
 
 
-def test_grouped_kernel_compiles_for_sm90_native_fp8():
+@pytest.mark.parametrize("operands", ["plain", "swap"])
+def test_grouped_kernel_compiles_for_sm90_native_fp8(operands):
     """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
-    a typed FP8 load): compile the sm_90 typed-FP8 variant ahead of time, without a GPU, in a process with the
-    interpreter off (Triton's CUDA backend and its ptxas only)."""
-    proc = run_python(SM90_COMPILE, env_drop=("TRITON_INTERPRET",))
+    a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
+    ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
+    only), with both operand orders."""
+    proc = run_python(SM90_COMPILE, operands, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -68,23 +68,27 @@ def _mxfp8_gemm_kernel(
     x_scales_ptr,  # [M, K / 32] uint8 (X_MX only)
     w_ptr,  # [E, N, K] MXFP8 values: typed FP8 (FP8_NATIVE_LOAD) or uint8 bytes
     w_scales_ptr,  # [E, N, K / 32] uint8
+    shared_w_ptr,  # [N, K] the shared expert's values, group E (HAS_SHARED)
+    shared_w_scales_ptr,  # [N, K / 32] uint8 (HAS_SHARED)
     out_ptr,  # [P, N]
     pairs_ptr,  # [NB * BLOCK_M] int32 pair per aligned row, -1 pads (GROUPED)
     block_expert_ptr,  # [NB] int32 expert per row block, -1 = no rows (GROUPED)
     pair_weights_ptr,  # [P] fp32 (HAS_WEIGHTS)
     rows,  # P: output rows
-    num_experts,  # E: block_expert entries outside [0, E) have no rows
+    num_experts,  # E: block_expert entries outside [0, E + HAS_SHARED) have no rows
     n_units,  # N / 16
     k_blocks,  # K / 32
     GROUPED: tl.constexpr,
     TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
     X_MX: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,  # group E reads the shared expert's weight (one launch for routed + shared)
     ROUND_BF16: tl.constexpr,  # round the product to bf16 before the pair weight (MXFP8 x, or a bf16 output)
     INT_ROUND: tl.constexpr,  # the interpreter: bf16 rounding with integer ops
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # accumulate out^T = W @ x^T (the dequantized weight as the left operand)
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -99,7 +103,10 @@ def _mxfp8_gemm_kernel(
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if GROUPED:
         expert = tl.load(block_expert_ptr + pid_b)
-        expert = tl.where(expert < num_experts, expert, -1)
+        groups = num_experts
+        if HAS_SHARED:
+            groups = num_experts + 1
+        expert = tl.where(expert < groups, expert, -1)
         pairs = tl.load(pairs_ptr + offs)
         valid = (pairs >= 0) & (pairs < rows)  # a stray entry is skipped, never read or written out of bounds
     else:
@@ -111,8 +118,19 @@ def _mxfp8_gemm_kernel(
         x_rows = out_rows // TOP_K
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         col_ok = cols < N
-        w_rows = expert.to(tl.int64) * N + tl.where(col_ok, cols, 0)  # [BLOCK_N] rows of the flat [E*N, K]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_base = w_ptr
+        ws_base = w_scales_ptr
+        w_expert = expert
+        if HAS_SHARED:
+            if expert == num_experts:
+                w_base = shared_w_ptr
+                ws_base = shared_w_scales_ptr
+                w_expert = expert * 0
+        w_rows = w_expert.to(tl.int64) * N + tl.where(col_ok, cols, 0)  # [BLOCK_N] rows of the flat [E*N, K]
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         NBK: tl.constexpr = BLOCK_K // MX
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -121,9 +139,9 @@ def _mxfp8_gemm_kernel(
             kb_ok = kb < k_blocks
             # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
             w_mask = col_ok[:, None] & k_ok[None, :]
-            w_codes = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+            w_codes = tl.load(w_base + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
             w_sb = tl.load(
-                w_scales_ptr + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
+                ws_base + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
             )
             w = _mx_tile(w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             x_mask = valid[:, None] & k_ok[None, :]
@@ -137,10 +155,17 @@ def _mxfp8_gemm_kernel(
                 xt = _mx_tile(x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             else:
                 xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
-            if DOT_DTYPE == tl.float32:
+            if SWAP_AB:
+                if DOT_DTYPE == tl.float32:
+                    acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, tl.trans(xt), acc)
+            elif DOT_DTYPE == tl.float32:
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xt, tl.trans(w), acc)
+        if SWAP_AB:
+            acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         if ROUND_BF16:
             acc = _round_bf16(acc, INT_ROUND)
         if HAS_WEIGHTS:
@@ -174,8 +199,12 @@ def mxfp8_gemm(
     block_expert: torch.Tensor | None = None,  # [NB] int32 (grouped)
     top_k: int = 1,
     pair_weights: torch.Tensor | None = None,  # [M * top_k] fp32
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # [N, K] values, [N, K / 32] uint8: group E
 ) -> torch.Tensor:
     """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``.
+
+    With ``shared``, row blocks of group ``E`` (one past the routed experts) read that weight: the shared expert
+    runs in the routed launch, its programs beside the routed ones.
 
     The fp32 accumulator is rounded to bf16 for a bf16 output and for an MXFP8 x (the expert's output in the
     model dtype, as a bf16 GEMM would store it) before the optional pair weight, applied in fp32.
@@ -198,6 +227,8 @@ def mxfp8_gemm(
         x_scales if x_scales is not None else dummy,
         w,
         scales,
+        fp8.view(shared[0]) if shared is not None else dummy,
+        shared[1] if shared is not None else dummy,
         out,
         sorted_pairs if grouped else dummy,
         block_expert if grouped else dummy,
@@ -210,6 +241,7 @@ def mxfp8_gemm(
         TOP_K=top_k,
         X_MX=x_scales is not None,
         HAS_WEIGHTS=pair_weights is not None,
+        HAS_SHARED=shared is not None,
         ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16,
         INT_ROUND=platform.interpreting(),
         BLOCK_M=config.BLOCK_M,

@@ -17,11 +17,15 @@ class GemmConfig:
     BLOCK_K: int  # a multiple of the MX block: one scale column per 32 values
     num_warps: int
     num_stages: int
+    # out^T = W @ x^T: the weight tile, dequantized in registers, is the dot's left operand, which sm_90's
+    # wgmma reads from registers; as the right operand it goes through shared memory every k step
+    SWAP_AB: bool = False
 
     def launch_options(self) -> dict:
         return {
             "BLOCK_N": self.BLOCK_N,
             "BLOCK_K": self.BLOCK_K,
+            "SWAP_AB": self.SWAP_AB,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }

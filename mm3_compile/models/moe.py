@@ -46,9 +46,17 @@ class RoutedExperts(nn.Module):
         self.gate_up.load(tpmod.shard_gate_up(state[prefix + "gate_up.weight"], self.tp, dim=1))
         self.down.load(tpmod.shard_down(state[prefix + "down.weight"], self.tp, dim=2))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> fp32 [T, H] = sum_k weights * expert_k(x)."""
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: MXFP8MLP | None = None
+    ) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] -> fp32 [T, H] = sum_k weights * expert_k(x) (+ ``shared(x)``, whose
+        widths must be the routed experts', in the same launches)."""
         cfg = self.config
+        extra = (
+            ()
+            if shared is None
+            else (shared.gate_up.values, shared.gate_up.scales, shared.down.values, shared.down.scales)
+        )
         return torch.ops.mm3.moe_experts(
             x,
             ids,
@@ -60,6 +68,14 @@ class RoutedExperts(nn.Module):
             cfg.swiglu_alpha,
             cfg.swiglu_beta,
             cfg.swiglu_limit,
+            *extra,
+        )
+
+    def can_fold(self, shared: MXFP8MLP) -> bool:
+        """Whether ``shared`` has this layer's expert widths (M3: 3072 both), so it runs as one more expert."""
+        return (
+            shared.gate_up.values.shape == self.gate_up.values.shape[1:]
+            and shared.down.values.shape == self.down.values.shape[1:]
         )
 
 
@@ -89,7 +105,10 @@ class M3MoE(nn.Module):
         cfg = self.config
         logits = F.linear(x.float(), self.gate_weight)  # [T, E] fp32
         ids, weights = route(logits, self.correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        out = self.experts(x, ids, weights)  # [T, H] fp32
-        if self.shared is not None:
-            out = out + self.shared(x).float()
+        if self.shared is not None and self.experts.can_fold(self.shared):
+            out = self.experts(x, ids, weights, self.shared)  # [T, H] fp32, the shared expert included
+        else:
+            out = self.experts(x, ids, weights)
+            if self.shared is not None:
+                out = out + self.shared(x).float()
         return self.tp.all_reduce(out.to(x.dtype))

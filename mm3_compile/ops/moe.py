@@ -118,8 +118,35 @@ def _(ids, num_experts, block_m):
 # mxfp8_grouped_gemm
 
 
-def _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights):
+def _check_shared(values, scales, like: torch.Tensor, prefix: str) -> None:
+    """The shared expert's ``[N, K]`` weight beside routed ``like [E, N, K]`` (both or neither given)."""
+    if (values is None) != (scales is None):
+        raise ValueError(f"{prefix}values / {prefix}scales: expected both or neither, got one")
+    if values is None:
+        return
+    _check_weight(values, scales, 2, prefix)
+    if tuple(values.shape) != tuple(like.shape[1:]) or values.dtype != like.dtype:
+        raise ValueError(
+            f"{prefix}values: expected the routed experts' {tuple(like.shape[1:])} {like.dtype} (one more expert), "
+            f"got {tuple(values.shape)} {values.dtype}"
+        )
+
+
+def _check_grouped(
+    x,
+    w_values,
+    w_scales,
+    sorted_pairs,
+    block_expert,
+    block_m,
+    top_k,
+    x_scales,
+    pair_weights,
+    shared_values=None,
+    shared_scales=None,
+):
     _check_weight(w_values, w_scales, 3, "w_")
+    _check_shared(shared_values, shared_scales, w_values, "shared_")
     _check_x(x, x_scales, w_values.shape[2])
     if top_k < 1:
         raise ValueError(f"top_k: expected >= 1, got {top_k}")
@@ -171,6 +198,8 @@ def mxfp8_grouped_gemm(
     top_k: int = 1,
     x_scales: torch.Tensor | None = None,
     pair_weights: torch.Tensor | None = None,
+    shared_values: torch.Tensor | None = None,
+    shared_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per (token, slot) pair p: ``out[p] = w(p) * x[p // top_k] @ dequant(W[expert(p)])^T``.
 
@@ -180,6 +209,8 @@ def mxfp8_grouped_gemm(
         w_values: ``[E, N, K]`` platform MXFP8 values; ``w_scales``: ``[E, N, K/32]`` E8M0 bytes.
         sorted_pairs, block_expert: from ``moe_align(ids, E, block_m)`` with the same ``block_m``.
         pair_weights: optional ``[M * top_k]`` fp32 factor per pair (the router weights) applied in fp32.
+        shared_values, shared_scales: optional ``[N, K]`` / ``[N, K/32]`` weight of expert ``E`` (one past
+            ``w_values``; align with ``E + 1`` experts): the shared expert in the same launch as the routed ones.
 
     Returns:
         ``[M * top_k, N]`` in pair order: x's dtype for float x; for MXFP8 x the product rounded to bf16 (the
@@ -190,10 +221,23 @@ def mxfp8_grouped_gemm(
         >>> pairs, blocks = torch.ops.mm3.moe_align(ids, E, block_m)
         >>> gate_up = torch.ops.mm3.mxfp8_grouped_gemm(x, w1, s1, pairs, blocks, block_m, ids.shape[1])
     """
-    _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights)
+    _check_grouped(
+        x,
+        w_values,
+        w_scales,
+        sorted_pairs,
+        block_expert,
+        block_m,
+        top_k,
+        x_scales,
+        pair_weights,
+        shared_values,
+        shared_scales,
+    )
     require_kernel_device("x", x)
     N, K = w_values.shape[1], w_values.shape[2]
-    config = gemm_schedule(x.shape[0] * top_k, N, K, w_values.shape[0], x.device)
+    shared = None if shared_values is None else (shared_values, shared_scales.view(torch.uint8))
+    config = gemm_schedule(x.shape[0] * top_k, N, K, w_values.shape[0] + (shared is not None), x.device)
     config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
@@ -209,12 +253,37 @@ def mxfp8_grouped_gemm(
             block_expert,
             top_k,
             pair_weights,
+            shared,
         )
 
 
 @mxfp8_grouped_gemm.register_fake
-def _(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k=1, x_scales=None, pair_weights=None):
-    _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights)
+def _(
+    x,
+    w_values,
+    w_scales,
+    sorted_pairs,
+    block_expert,
+    block_m,
+    top_k=1,
+    x_scales=None,
+    pair_weights=None,
+    shared_values=None,
+    shared_scales=None,
+):
+    _check_grouped(
+        x,
+        w_values,
+        w_scales,
+        sorted_pairs,
+        block_expert,
+        block_m,
+        top_k,
+        x_scales,
+        pair_weights,
+        shared_values,
+        shared_scales,
+    )
     return _grouped_out(x, w_values, top_k, x_scales, pair_weights)
 
 
@@ -278,9 +347,25 @@ def _(x, values, scales, x_scales=None):
 # The routed MoE from the ops
 
 
-def _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit):
+def _check_experts(
+    x,
+    ids,
+    weights,
+    gate_up_values,
+    gate_up_scales,
+    down_values,
+    down_scales,
+    shared_gate_up_values=None,
+    shared_gate_up_scales=None,
+    shared_down_values=None,
+    shared_down_scales=None,
+):
     _check_weight(gate_up_values, gate_up_scales, 3, "gate_up_")
     _check_weight(down_values, down_scales, 3, "down_")
+    _check_shared(shared_gate_up_values, shared_gate_up_scales, gate_up_values, "shared_gate_up_")
+    _check_shared(shared_down_values, shared_down_scales, down_values, "shared_down_")
+    if (shared_gate_up_values is None) != (shared_down_values is None):
+        raise ValueError("shared_gate_up_values / shared_down_values: expected both of the shared expert or neither")
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("ids", ids, dtypes=INDEX_DTYPES, ndim=2)
     check_tensor("weights", weights, dtypes=FLOAT_DTYPES, ndim=2)
@@ -295,7 +380,16 @@ def _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values,
         raise ValueError(
             f"ids/weights: expected [T, k] with T = {x.shape[0]}, got {tuple(ids.shape)} and {tuple(weights.shape)}"
         )
-    check_same_device("x", x, ids=ids, weights=weights, gate_up_values=gate_up_values, down_values=down_values)
+    check_same_device(
+        "x",
+        x,
+        ids=ids,
+        weights=weights,
+        gate_up_values=gate_up_values,
+        down_values=down_values,
+        shared_gate_up_values=shared_gate_up_values,
+        shared_down_values=shared_down_values,
+    )
 
 
 @torch.library.custom_op("mm3::moe_experts", mutates_args=())
@@ -310,6 +404,10 @@ def moe_experts(
     alpha: float = 1.702,
     beta: float = 1.0,
     limit: float | None = 7.0,
+    shared_gate_up_values: torch.Tensor | None = None,
+    shared_gate_up_scales: torch.Tensor | None = None,
+    shared_down_values: torch.Tensor | None = None,
+    shared_down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed MoE: fp32 ``[T, H] = sum_j weights[:, j] * down(swiglu_mx(gate_up(x)))`` of expert ``ids[:, j]``.
 
@@ -318,31 +416,102 @@ def moe_experts(
         gate_up_values / gate_up_scales: ``[E, 2I, H]`` / ``[E, 2I, H/32]`` MXFP8 (gate rows then up rows).
         down_values / down_scales: ``[E, H, I]`` / ``[E, H, I/32]`` MXFP8.
         alpha, beta, limit: the SwiGLU-OAI constants.
+        shared_*: optional shared expert of the same widths (``[2I, H]``, ``[H, I]`` and their scales): added to
+            every token with weight 1, as one more slot of the same launches (its programs fill the SMs the
+            routed experts leave idle at small T), numerically the same as its own ``mxfp8_linear`` chain.
 
     Returns:
         ``[T, H]`` fp32. The chain ``moe_align -> mxfp8_grouped_gemm -> swiglu_oai_mxfp8_quant ->
         mxfp8_grouped_gemm`` in one op, so the row tile is chosen from the shapes inside the op
         (at trace time under torch.compile, never by Dynamo): the activation between the GEMMs is the MXFP8
         output of ``swiglu_oai_mxfp8_quant``, never dequantized to memory; the router weights scale GEMM2's fp32
-        accumulator; the k slots are summed in a fixed order (deterministic).
+        accumulator; the k slots (then the shared expert) are summed in a fixed order (deterministic).
 
     Examples:
         >>> out = torch.ops.mm3.moe_experts(x, ids, weights, w1.values, w1.scales, w2.values, w2.scales)
     """
-    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit)
-    T, k = ids.shape
+    _check_experts(
+        x,
+        ids,
+        weights,
+        gate_up_values,
+        gate_up_scales,
+        down_values,
+        down_scales,
+        shared_gate_up_values,
+        shared_gate_up_scales,
+        shared_down_values,
+        shared_down_scales,
+    )
     E, two_i, H = gate_up_values.shape
-    block_m = gemm_schedule(T * k, two_i, H, E, x.device).BLOCK_M
-    pairs, blocks = torch.ops.mm3.moe_align(ids, E, block_m)
-    gate_up = torch.ops.mm3.mxfp8_grouped_gemm(x, gate_up_values, gate_up_scales, pairs, blocks, block_m, k)
+    weights = weights.float()
+    groups = E
+    if shared_gate_up_values is not None:  # one more slot per token: expert E, weight 1
+        T = ids.shape[0]
+        ids = torch.cat([ids, torch.full((T, 1), E, dtype=ids.dtype, device=ids.device)], 1)
+        weights = torch.cat([weights, torch.ones((T, 1), dtype=torch.float32, device=weights.device)], 1)
+        groups = E + 1
+    T, k = ids.shape
+    block_m = gemm_schedule(T * k, two_i, H, groups, x.device).BLOCK_M
+    pairs, blocks = torch.ops.mm3.moe_align(ids, groups, block_m)
+    gate_up = torch.ops.mm3.mxfp8_grouped_gemm(
+        x,
+        gate_up_values,
+        gate_up_scales,
+        pairs,
+        blocks,
+        block_m,
+        k,
+        None,
+        None,
+        shared_gate_up_values,
+        shared_gate_up_scales,
+    )
     act, act_scales = torch.ops.mm3.swiglu_oai_mxfp8_quant(gate_up, alpha, beta, limit)  # [T*k, I] MXFP8
     ys = torch.ops.mm3.mxfp8_grouped_gemm(
-        act, down_values, down_scales, pairs, blocks, block_m, 1, act_scales, weights.reshape(-1).float()
+        act,
+        down_values,
+        down_scales,
+        pairs,
+        blocks,
+        block_m,
+        1,
+        act_scales,
+        weights.reshape(-1),
+        shared_down_values,
+        shared_down_scales,
     )  # [T*k, H] fp32, weighted
     return ys.view(T, k, -1).sum(1)
 
 
 @moe_experts.register_fake
-def _(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha=1.702, beta=1.0, limit=7.0):
-    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, alpha, beta, limit)
+def _(
+    x,
+    ids,
+    weights,
+    gate_up_values,
+    gate_up_scales,
+    down_values,
+    down_scales,
+    alpha=1.702,
+    beta=1.0,
+    limit=7.0,
+    shared_gate_up_values=None,
+    shared_gate_up_scales=None,
+    shared_down_values=None,
+    shared_down_scales=None,
+):
+    _check_experts(
+        x,
+        ids,
+        weights,
+        gate_up_values,
+        gate_up_scales,
+        down_values,
+        down_scales,
+        shared_gate_up_values,
+        shared_gate_up_scales,
+        shared_down_values,
+        shared_down_scales,
+    )
     return empty_row_major((x.shape[0], gate_up_values.shape[2]), torch.float32, x.device)

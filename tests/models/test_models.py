@@ -102,6 +102,32 @@ def test_topk_comparison_separates_near_ties_from_mismatches():
 
 
 @pytest.mark.interpreter
+def test_shared_expert_runs_in_the_routed_launches_when_widths_match():
+    """M3's shared expert (3072 wide like the routed ones) is one more expert of the routed launches; the block
+    equals the separate chain up to the fp32 sum order (measured: identical here); other widths keep
+    the separate chain."""
+    from mm3_compile.models.moe import M3MoE
+    from mm3_compile.models.tp import TPInfo
+
+    cfg = MiniMaxM3Config.tiny()
+    torch.manual_seed(0)
+    moe = M3MoE(cfg, TPInfo(), torch.bfloat16, "cpu")
+    with torch.no_grad():
+        moe.gate_weight.normal_()
+    H = cfg.hidden_size
+    for w in (moe.experts.gate_up, moe.experts.down, moe.shared.gate_up, moe.shared.down):
+        w.load(torch.randn(w.values.shape) / math.sqrt(w.values.shape[-1]))
+    assert moe.experts.can_fold(moe.shared)
+    x = torch.randn(7, H).to(torch.bfloat16)
+    folded = moe(x)
+    moe.experts.can_fold = lambda shared: False
+    separate = moe(x)
+    assert relative_error(folded, separate) <= GEMM_ORDER_TOL
+    narrow = M3MoE(MiniMaxM3Config.tiny(shared_intermediate_size=32), TPInfo(), torch.bfloat16, "cpu")
+    assert not narrow.experts.can_fold(narrow.shared)
+
+
+@pytest.mark.interpreter
 def test_routing_and_mxfp8_weights_match_reference():
     logits = torch.tensor([[0.0, 2.0, -1.0, 1.0, 3.0]])
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0])
