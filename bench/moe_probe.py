@@ -136,10 +136,11 @@ def decode_configs(T):
     default = gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda"))
     out = [default]
     for bn, bk, st, w, swap in (
-        (64, 256, 4, 4, True),
-        (128, 256, 4, 4, True),
-        (64, 128, 4, 4, True),
-        (64, 256, 3, 4, True),
+        (64, 512, 3, 4, False),
+        (64, 512, 3, 8, False),
+        (64, 256, 4, 8, False),
+        (32, 512, 3, 4, False),
+        (64, 256, 5, 4, False),
     ):
         c = GemmConfig(16, bn, bk, w, st, swap)
         if c != default:
@@ -195,11 +196,14 @@ def block_variants(moe, device, timer, tokens, prefill_tokens):
 def prefill_configs(T):
     return [
         gemm_schedule(T * 4, 6144, 6144, 128, torch.device("cuda")),
-        GemmConfig(128, 128, 64, 4, 3, True),
+        GemmConfig(128, 128, 64, 8, 3),
+        GemmConfig(128, 128, 128, 8, 3),
+        GemmConfig(128, 128, 128, 4, 3),
         GemmConfig(128, 128, 64, 8, 3, True),
-        GemmConfig(128, 256, 64, 8, 3, True),
         GemmConfig(128, 128, 128, 8, 3, True),
-        GemmConfig(64, 128, 64, 4, 4, True),
+        GemmConfig(128, 128, 128, 8, 4, True),
+        GemmConfig(128, 256, 128, 8, 3, True),
+        GemmConfig(256, 128, 64, 8, 3, True),
     ]
 
 
@@ -210,6 +214,7 @@ def main():
     p.add_argument("--budget-s", type=float, default=200)
     p.add_argument("--skip-family", action="store_true")
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-block", action="store_true")
     args = p.parse_args()
     BUDGET = args.budget_s
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -223,7 +228,8 @@ def main():
         variants(moe, device, timer, [1, 32], decode_configs)
         if not args.skip_prefill:
             variants(moe, device, timer, [8192], prefill_configs)
-        block_variants(moe, device, timer, [1, 32, 128], [] if args.skip_prefill else [8192])
+        if not args.skip_block:
+            block_variants(moe, device, timer, [1, 32, 128], [] if args.skip_prefill else [8192])
         print(f"[{time.monotonic() - T0:.0f} s]", flush=True)
     if args.skip_family:
         return

@@ -352,6 +352,18 @@ def test_every_schedule_same_lists(schedule, device):
         assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
 
 
+def test_query_tiles_found_past_64_requests(device):
+    """Tiles of ``block_t`` tokens over 70 requests (empty ones among them): each program sums the tile counts
+    of the requests in 64-request steps to find its own, so the second step must count the first's."""
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    requests = [((3, 1, 0, 2)[r % 4], 130 + 37 * (r % 5)) for r in range(70)]
+    args = make_inputs(requests, 1, 16, device, seed=13)
+    sched = kernels.IndexSchedule(2, 1, 4, 1, False, 16, 16, 4, 16)
+    out = kernels.index_topk(*args, 2, 0, 1, schedule=sched)
+    assert torch.equal(out.cpu(), index_topk_ref(*[t.cpu() for t in args], 2, 0, 1))
+
+
 @pytest.mark.parametrize("target", [None, "gfx942"])
 def test_fp8_index_cache(target, device):
     """An FP8 index cache (the authority's e4m3 flavour; gfx942: fnuz) ranks as its decoded values do.

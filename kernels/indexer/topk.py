@@ -9,8 +9,8 @@ the device, shared by the launcher and the tests.
    ``r`` = (token ``r // Hidx``, head ``r % Hidx``).  Every index-K page is thus read once per tile for
    all heads and tokens (a decode step reads each request's index-K exactly once).  ``BLOCK_T == 1``
    maps tile = token (request by binary search over ``cu_seqlens_q``); otherwise tiles never straddle
-   requests and are found through ``tile_cu`` (cumulative ``cdiv(q_len, BLOCK_T)``); surplus tiles
-   exit.  The tile's visible blocks ``[0, nb_tile)`` are split evenly over the ``chunks`` programs of
+   requests, and each program sums ``cdiv(q_len, BLOCK_T)`` over the requests to find its own
+   (:func:`_find_tile`); surplus tiles exit.  The tile's visible blocks ``[0, nb_tile)`` are split evenly over the ``chunks`` programs of
    the second grid axis (split-K for decode: a B1 step spreads its pages over many SMs).  Blocks fully
    visible to every row skip the causal mask.  ``S[h, t, b] = max_{j in b, j <= p(t)} <q_h(t), k(j)>``
    (fp32 accumulation, no softmax scale; NaN-propagating max, like ``torch.amax``), times the
@@ -200,6 +200,28 @@ def _page_scores(
 
 
 @triton.jit
+def _find_tile(cu_ptr, num_reqs, tile, BLOCK_T: tl.constexpr, RB: tl.constexpr):
+    """The request of query tile ``tile`` (``BLOCK_T``-token tiles that never straddle requests) and that
+    request's first tile; request -1 past the last tile.  Tile counts are summed in ``RB``-request steps in
+    registers: no tile table is built before the launch (that took ~6 small torch kernels per call)."""
+    req = tile * 0 - 1
+    first = tile * 0
+    base = tile * 0  # tiles of the requests before this step
+    for r0 in range(0, num_reqs, RB):
+        r = r0 + tl.arange(0, RB)
+        ok = r < num_reqs
+        start = tl.load(cu_ptr + r, mask=ok, other=0)
+        end = tl.load(cu_ptr + r + 1, mask=ok, other=0)
+        n = tl.where(ok, (tl.maximum(end - start, 0) + BLOCK_T - 1) // BLOCK_T, 0)  # [RB] tiles per request
+        upto = base + tl.cumsum(n, 0)  # tiles up to and including r
+        hit = ok & (upto - n <= tile) & (tile < upto)  # at most one request (its range is non-empty)
+        req = tl.maximum(req, tl.max(tl.where(hit, r, -1), 0))
+        first = tl.maximum(first, tl.max(tl.where(hit, upto - n, 0), 0))
+        base = base + tl.sum(n, 0)
+    return req, first
+
+
+@triton.jit
 def _index_score_kernel(
     q_ptr,  # [total_q, Hidx, Didx]
     k_ptr,  # [num_pages, 128, Didx] index-K cache
@@ -207,7 +229,6 @@ def _index_score_kernel(
     block_table_ptr,  # [num_reqs, max_blocks] int32
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
-    tile_cu_ptr,  # [num_reqs + 1] int32: first query tile of each request (read when BLOCK_T > 1)
     score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
     num_reqs,
     total_q,
@@ -245,9 +266,10 @@ def _index_score_kernel(
         req = find_request(cu_seqlens_ptr, num_reqs, tile)
         i0 = tile - tl.load(cu_seqlens_ptr + req)
     else:
-        tile_ok = tile < tl.load(tile_cu_ptr + num_reqs)
-        req = find_request(tile_cu_ptr, num_reqs, tile)
-        i0 = (tile - tl.load(tile_cu_ptr + req)) * BLOCK_T
+        req, first_tile = _find_tile(cu_seqlens_ptr, num_reqs, tile, BLOCK_T, 64)
+        tile_ok = req >= 0
+        req = tl.maximum(req, 0)
+        i0 = (tile - first_tile) * BLOCK_T
     if tile_ok:  # surplus programs (and num_reqs = 0) read nothing
         q_start = tl.load(cu_seqlens_ptr + req)
         q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
@@ -467,16 +489,10 @@ def index_topk(
     else:
         k_arg, k_mode = _read_mode(index_k_cache, fp32_dot)
     block_t = schedule.block_t
-    if block_t == 1:
-        tile_cu, tiles = cu_seqlens_q, total_q  # tile = token
-    else:
-        # Query tiles never straddle requests; sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs
-        # bounds the grid by shapes alone (surplus programs exit at once).
-        # narrow by num_reqs, not [1:]/[:-1]: with size-oblivious symbolic sizes a slice's length would be a
-        # fresh unbacked symbol that Inductor cannot lower inside the traced op body.
-        q_lens = (cu_seqlens_q.narrow(0, 1, num_reqs) - cu_seqlens_q.narrow(0, 0, num_reqs)).clamp(min=0)
-        tile_cu = torch.nn.functional.pad(torch.cumsum((q_lens + block_t - 1) // block_t, 0), (1, 0)).to(torch.int32)
-        tiles = triton.cdiv(total_q, block_t) + num_reqs
+    # tile = token for BLOCK_T 1; otherwise tiles never straddle requests, and
+    # sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs bounds the grid by shapes alone
+    # (surplus programs exit at once)
+    tiles = total_q if block_t == 1 else triton.cdiv(total_q, block_t) + num_reqs
     launch(
         _index_score_kernel,
         (tiles, schedule.chunks),
@@ -486,7 +502,6 @@ def index_topk(
         block_table,
         cu_seqlens_q,
         seq_lens,
-        tile_cu,
         scores,
         num_reqs,
         total_q,

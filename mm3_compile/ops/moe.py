@@ -118,13 +118,14 @@ def _(ids, num_experts, block_m):
 # mxfp8_grouped_gemm
 
 
-def _check_shared(values, scales, like: torch.Tensor, prefix: str) -> None:
-    """The shared expert's ``[N, K]`` weight beside routed ``like [E, N, K]`` (both or neither given)."""
+def _check_shared(values, scales, like: torch.Tensor, like_name: str, prefix: str) -> None:
+    """The shared expert's ``[N, K]`` weight beside the routed ``like [E, N, K]`` (both or neither given)."""
     if (values is None) != (scales is None):
         raise ValueError(f"{prefix}values / {prefix}scales: expected both or neither, got one")
     if values is None:
         return
     _check_weight(values, scales, 2, prefix)
+    check_same_device(like_name, like, **{prefix + "values": values})
     if tuple(values.shape) != tuple(like.shape[1:]) or values.dtype != like.dtype:
         raise ValueError(
             f"{prefix}values: expected the routed experts' {tuple(like.shape[1:])} {like.dtype} (one more expert), "
@@ -132,21 +133,8 @@ def _check_shared(values, scales, like: torch.Tensor, prefix: str) -> None:
         )
 
 
-def _check_grouped(
-    x,
-    w_values,
-    w_scales,
-    sorted_pairs,
-    block_expert,
-    block_m,
-    top_k,
-    x_scales,
-    pair_weights,
-    shared_values=None,
-    shared_scales=None,
-):
+def _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights):
     _check_weight(w_values, w_scales, 3, "w_")
-    _check_shared(shared_values, shared_scales, w_values, "shared_")
     _check_x(x, x_scales, w_values.shape[2])
     if top_k < 1:
         raise ValueError(f"top_k: expected >= 1, got {top_k}")
@@ -221,19 +209,8 @@ def mxfp8_grouped_gemm(
         >>> pairs, blocks = torch.ops.mm3.moe_align(ids, E, block_m)
         >>> gate_up = torch.ops.mm3.mxfp8_grouped_gemm(x, w1, s1, pairs, blocks, block_m, ids.shape[1])
     """
-    _check_grouped(
-        x,
-        w_values,
-        w_scales,
-        sorted_pairs,
-        block_expert,
-        block_m,
-        top_k,
-        x_scales,
-        pair_weights,
-        shared_values,
-        shared_scales,
-    )
+    _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights)
+    _check_shared(shared_values, shared_scales, w_values, "w_values", "shared_")
     require_kernel_device("x", x)
     N, K = w_values.shape[1], w_values.shape[2]
     shared = None if shared_values is None else (shared_values, shared_scales.view(torch.uint8))
@@ -271,19 +248,8 @@ def _(
     shared_values=None,
     shared_scales=None,
 ):
-    _check_grouped(
-        x,
-        w_values,
-        w_scales,
-        sorted_pairs,
-        block_expert,
-        block_m,
-        top_k,
-        x_scales,
-        pair_weights,
-        shared_values,
-        shared_scales,
-    )
+    _check_grouped(x, w_values, w_scales, sorted_pairs, block_expert, block_m, top_k, x_scales, pair_weights)
+    _check_shared(shared_values, shared_scales, w_values, "w_values", "shared_")
     return _grouped_out(x, w_values, top_k, x_scales, pair_weights)
 
 
@@ -347,24 +313,13 @@ def _(x, values, scales, x_scales=None):
 # The routed MoE from the ops
 
 
-def _check_experts(
-    x,
-    ids,
-    weights,
-    gate_up_values,
-    gate_up_scales,
-    down_values,
-    down_scales,
-    shared_gate_up_values=None,
-    shared_gate_up_scales=None,
-    shared_down_values=None,
-    shared_down_scales=None,
-):
+def _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, shared):
+    """``shared``: the four optional shared-expert tensors (gate_up values, scales, down values, scales)."""
     _check_weight(gate_up_values, gate_up_scales, 3, "gate_up_")
     _check_weight(down_values, down_scales, 3, "down_")
-    _check_shared(shared_gate_up_values, shared_gate_up_scales, gate_up_values, "shared_gate_up_")
-    _check_shared(shared_down_values, shared_down_scales, down_values, "shared_down_")
-    if (shared_gate_up_values is None) != (shared_down_values is None):
+    _check_shared(shared[0], shared[1], gate_up_values, "gate_up_values", "shared_gate_up_")
+    _check_shared(shared[2], shared[3], down_values, "down_values", "shared_down_")
+    if (shared[0] is None) != (shared[2] is None):
         raise ValueError("shared_gate_up_values / shared_down_values: expected both of the shared expert or neither")
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("ids", ids, dtypes=INDEX_DTYPES, ndim=2)
@@ -380,16 +335,7 @@ def _check_experts(
         raise ValueError(
             f"ids/weights: expected [T, k] with T = {x.shape[0]}, got {tuple(ids.shape)} and {tuple(weights.shape)}"
         )
-    check_same_device(
-        "x",
-        x,
-        ids=ids,
-        weights=weights,
-        gate_up_values=gate_up_values,
-        down_values=down_values,
-        shared_gate_up_values=shared_gate_up_values,
-        shared_down_values=shared_down_values,
-    )
+    check_same_device("x", x, ids=ids, weights=weights, gate_up_values=gate_up_values, down_values=down_values)
 
 
 @torch.library.custom_op("mm3::moe_experts", mutates_args=())
@@ -430,19 +376,8 @@ def moe_experts(
     Examples:
         >>> out = torch.ops.mm3.moe_experts(x, ids, weights, w1.values, w1.scales, w2.values, w2.scales)
     """
-    _check_experts(
-        x,
-        ids,
-        weights,
-        gate_up_values,
-        gate_up_scales,
-        down_values,
-        down_scales,
-        shared_gate_up_values,
-        shared_gate_up_scales,
-        shared_down_values,
-        shared_down_scales,
-    )
+    shared = (shared_gate_up_values, shared_gate_up_scales, shared_down_values, shared_down_scales)
+    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, shared)
     E, two_i, H = gate_up_values.shape
     weights = weights.float()
     groups = E
@@ -501,17 +436,6 @@ def _(
     shared_down_values=None,
     shared_down_scales=None,
 ):
-    _check_experts(
-        x,
-        ids,
-        weights,
-        gate_up_values,
-        gate_up_scales,
-        down_values,
-        down_scales,
-        shared_gate_up_values,
-        shared_gate_up_scales,
-        shared_down_values,
-        shared_down_scales,
-    )
+    shared = (shared_gate_up_values, shared_gate_up_scales, shared_down_values, shared_down_scales)
+    _check_experts(x, ids, weights, gate_up_values, gate_up_scales, down_values, down_scales, shared)
     return empty_row_major((x.shape[0], gate_up_values.shape[2]), torch.float32, x.device)
