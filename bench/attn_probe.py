@@ -10,6 +10,7 @@ writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
 
     python bench/attn_probe.py            # every row
     python bench/attn_probe.py --quick    # B1 rows and prefill only
+    python bench/attn_probe.py --quick --prefill-variants  # + the prefill error under other numerics
 """
 
 import argparse
@@ -111,7 +112,22 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
     return rows
 
 
-def prefill_row() -> dict:
+def _upstream_softmax(logits, dim):
+    """Softmax with the numerics of vLLM's M3 kernels (fp32 logits and sum, P rounded to bf16 before P.V):
+    the float64 reference's softmax replaced by this one emulates them (the output is rounded after)."""
+    m = logits.amax(dim, keepdim=True)
+    p = torch.exp((logits - torch.where(torch.isfinite(m), m, 0.0)).float())
+    return p.to(torch.bfloat16).double() / p.sum(dim, keepdim=True).double()
+
+
+def prefill_rows(variants: bool) -> list[dict]:
+    """TP1 1x8192 bf16: the op, and with ``variants`` the error of the same sample under an emulation of
+    upstream numerics, fp32 KV-centric partials instead of fp16 ones, and the union-walk schedule."""
+    from unittest import mock
+
+    from mm3_compile.kernels.sparse_attn import kv_centric, prefill
+    from mm3_compile.kernels.sparse_attn import naive as attn_naive
+
     case = bench_inputs.AttnCase("prefill", "TP1", 64, 4, 128, (8192,), (8192,), "bf16")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
@@ -131,35 +147,71 @@ def prefill_row() -> dict:
             inp.v_scale,
         )
 
-    out = call()
     tokens = sample_tokens(inp.pos.shape[0], 16, gen_seed=len(case.key))
-    ref = naive_attention_on_sample(inp, s, tokens)
-    got = out[tokens.to(out.device)].float().cpu()
-    ref = ref.float().cpu()
-    ok, max_err = compare(got, ref)
-    ms = triton.testing.do_bench(call, warmup=3, rep=60)
-    tflops = inp.flops / (ms * 1e-3) / 1e12
-    return {
-        "row": "prefill TP1 1x8192 bf16",
-        "pdl": "-",
-        "ok": ok,
-        "max_err": max_err,
-        "mean_err": float((got - ref).abs().mean()),
-        "us": ms * 1e3,
-        "pct": tflops,
-    }
+    ref = naive_attention_on_sample(inp, s, tokens).float().cpu()
+
+    def row(name, got, ms=None):
+        ok, max_err = compare(got, ref)
+        tflops = inp.flops / (ms * 1e-3) / 1e12 if ms else float("nan")
+        mean = float((got - ref).abs().mean())
+        return {
+            "row": name,
+            "pdl": "-",
+            "ok": ok,
+            "max_err": max_err,
+            "mean_err": mean,
+            "us": (ms or 0) * 1e3,
+            "pct": tflops,
+        }
+
+    def measured(name):
+        out = call()
+        got = out[tokens.to(out.device)].float().cpu()
+        return row(name, got, triton.testing.do_bench(call, warmup=3, rep=60))
+
+    rows = [measured("prefill TP1 1x8192 bf16")]
+    if not variants:
+        return rows
+    real_empty = kv_centric.empty_row_major
+
+    def fp32_partials(shape, dtype, device):
+        return real_empty(shape, torch.float32 if dtype == torch.float16 else dtype, device)
+
+    def emulated(name):
+        with mock.patch.object(attn_naive.torch, "softmax", _upstream_softmax):
+            return row(name, naive_attention_on_sample(inp, s, tokens).to(torch.bfloat16).float().cpu())
+
+    def with_fp32_partials(name):
+        with mock.patch.object(kv_centric, "empty_row_major", fp32_partials):
+            return measured(name)
+
+    def union(name):
+        with mock.patch.object(prefill, "prefill_schedule", lambda *a: "union"):
+            return measured(name)
+
+    for name, variant in (
+        ("  same sample, upstream numerics emulated (fp64)", emulated),
+        ("  KV-centric with fp32 partials", with_fp32_partials),
+        ("  union-walk schedule", union),
+    ):
+        try:
+            rows.append(variant(name))
+        except Exception as e:  # noqa: BLE001 (a failing variant is a line of the probe, not its end)
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prefill-variants", action="store_true", help="where the prefill error comes from")
     args = parser.parse_args()
     import mm3_compile  # noqa: F401  (registers the ops)
 
     begin = time.time()
     copy = copy_gbps()
     rows = decode_rows(args.quick, copy)
-    rows.append(prefill_row())
+    rows += prefill_rows(args.prefill_variants)
     lines = [
         (
             f"copy ceiling {copy:.0f} GB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}, triton "

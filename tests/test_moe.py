@@ -64,6 +64,9 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert decode.BLOCK_N == 64 and schedule(1, 1024, 6144, 1, False).BLOCK_N == 64
     assert schedule(1, 32, 64, 1, False).BLOCK_N == 32
     assert schedule(None, 6144, 6144, 128, False).BLOCK_M == 16
+    # prefill: the dequantized weight as the dot's register operand; wider tiles when x is MXFP8 too
+    assert prefill.SWAP_AB and not decode.SWAP_AB
+    assert schedule(32768, 6144, 3072, 128, False, x_mx=True).BLOCK_N == 2 * prefill.BLOCK_N
     assert isinstance(schedule(4, 64, 64, 8, True), GemmConfig)
     # the bound: min(pairs, ceil((pairs + E*(BM-1)) / BM))
     assert num_blocks(4, 128, 16) == 4 and num_blocks(32768, 128, 128) == math.ceil((32768 + 128 * 127) / 128)
@@ -350,30 +353,34 @@ from triton.compiler import ASTSource
 from mm3_compile import platform
 from mm3_compile.kernels.fp8 import NATIVE_E4M3FN, FP8Launch
 from mm3_compile.kernels.moe.gemm import _mxfp8_gemm_kernel as kernel
+from mm3_compile.kernels.moe.schedule import schedule
 
-SWAP = sys.argv[1] == "swap"
+# the decode tile in both operand orders, and the prefill schedule of GEMM2 (MXFP8 x, the widest tile)
+config = schedule(32768, 6144, 3072, 128, False, x_mx=True) if sys.argv[1] == "prefill" else None
+SWAP = sys.argv[1] != "plain"
 fp8 = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True, native_store=NATIVE_E4M3FN)  # sm_90
 consts = dict(
     GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, HAS_SHARED=True, ROUND_BF16=True, INT_ROUND=False,
-    BLOCK_M=16, BLOCK_N=32, SWAP_AB=SWAP,
-    BLOCK_K=128, DOT_DTYPE=tl.bfloat16, **fp8.constexprs(),
+    BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP,
+    BLOCK_K=config.BLOCK_K if config else 128, DOT_DTYPE=tl.bfloat16, **fp8.constexprs(),
 )
+options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4, num_stages=3)
 pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
 signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 4))
 signature.update(dict.fromkeys(consts, "constexpr"))
 constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
 src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 print("MMA" if "mma" in ptx else "NO-MMA")
 """
 
 
-@pytest.mark.parametrize("operands", ["plain", "swap"])
+@pytest.mark.parametrize("operands", ["plain", "swap", "prefill"])
 def test_grouped_kernel_compiles_for_sm90_native_fp8(operands):
     """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
     a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
     ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
-    only), with both operand orders."""
+    only): the decode tile in both operand orders and GEMM2's prefill schedule."""
     proc = run_python(SM90_COMPILE, operands, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])

@@ -92,7 +92,7 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
 
     Tiles take every token of a short request (decode, MTP) and up to 128 dot rows otherwise (a
     page then feeds a 128-row MMA: prefill is compute-bound).  Chunks split the keys until there are
-    about four programs per SM.  The interpreter gets few, large programs (it runs one at a time).
+    about eight programs per SM in decode, four in prefill.  The interpreter gets few, large programs (it runs one at a time).
     """
     tokens = max(size_hint(total_q) or 1, 1)
     reqs = max(size_hint(num_reqs) or 1, 1)
@@ -103,7 +103,10 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
         return IndexSchedule(block_t, 1, 4, 1, False, 64, 128, 4)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     tiles = tokens if block_t == 1 else triton.cdiv(tokens, block_t) + reqs
-    chunks = max(1, min(blocks, triton.cdiv(4 * sms, tiles)))
+    # decode: about 8 programs per SM (B128: 5 chunks 300 us, 10 chunks 270 us bf16 / 232 -> 202 us FP8; B32
+    # flat; B1 is bound by its 256 pages either way: bench/NOTES.md, session 15); prefill tiles: about 4
+    per_sm = 8 if block_t == 1 else 4
+    chunks = max(1, min(blocks, triton.cdiv(per_sm * sms, tiles)))
     rows = max(16, triton.next_power_of_2(block_t * num_heads))
     prefill = rows >= 64
     # top-k: enough (head, token) rows per program to fill about two programs per SM, at most 16

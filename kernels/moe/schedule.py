@@ -36,7 +36,7 @@ class GemmConfig:
 INTERPRETER = GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, num_warps=4, num_stages=1)
 
 
-def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: bool) -> GemmConfig:
+def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: bool, x_mx: bool = False) -> GemmConfig:
     """Tiles for ``rows`` (token, expert) pairs through ``num_experts`` weights of ``[n, k]``.
 
     Args:
@@ -45,11 +45,13 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: b
         n, k: the weight's output and input widths.
         num_experts: experts sharing the rows (1 for the linear).
         interpreting: the Triton interpreter runs one numpy program at a time: few, large programs.
+        x_mx: x is an MXFP8 activation (GEMM2), dequantized in registers like the weight.
 
     Returns:
         A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
-        smallest ``tl.dot``) and 64-column tiles streaming the weights. Prefill (many rows per expert) uses tensor-core tiles that reuse
-        each dequantized weight tile over 128 rows.
+        smallest ``tl.dot``) and 64-column tiles streaming the weights. Prefill (many rows per expert) uses
+        tensor-core tiles that reuse each dequantized weight tile over 128 rows, the weight as the dot's
+        register operand (``SWAP_AB``), 256 columns when x is dequantized too (half the x decode per output).
 
     Examples:
         >>> schedule(4, 6144, 6144, 128, False).BLOCK_M
@@ -61,7 +63,11 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: b
         return dataclasses.replace(INTERPRETER, BLOCK_N=min(INTERPRETER.BLOCK_N, max(16, triton.next_power_of_2(n))))
     rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
     if rows_per_expert is not None and rows_per_expert >= 64:
-        return GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+        # measured at 8192 tokens (bench/NOTES.md, session 15): gate_up 10.42 -> 9.35 ms, down 8.09 -> 6.96 ms
+        # against 128 x 128 x 64 tiles, 4 warps, the weight through shared memory
+        return GemmConfig(
+            BLOCK_M=128, BLOCK_N=256 if x_mx else 128, BLOCK_K=128, num_warps=8, num_stages=3, SWAP_AB=True
+        )
     # 64 columns per program streamed the weights fastest at 1 and 32 tokens, for 4 experts and for one
     # (wider tiles leave too few loads in flight per SM, narrower ones pay their per-step overhead on half
     # the bytes), even where the grid leaves SMs idle: one expert's 96 programs beat 192 of 32 columns 2x

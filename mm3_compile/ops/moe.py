@@ -25,9 +25,9 @@ SCALE_DTYPES = (torch.uint8, E8M0_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device):
+def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device, x_mx: bool = False):
     """The GEMM tiles for ``rows`` pairs (a size hint under tracing: one config per graph)."""
-    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting())
+    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx)
 
 
 def _check_weight(values: torch.Tensor, scales: torch.Tensor, ndim: int, prefix: str = "") -> None:
@@ -214,7 +214,8 @@ def mxfp8_grouped_gemm(
     require_kernel_device("x", x)
     N, K = w_values.shape[1], w_values.shape[2]
     shared = None if shared_values is None else (shared_values, shared_scales.view(torch.uint8))
-    config = gemm_schedule(x.shape[0] * top_k, N, K, w_values.shape[0] + (shared is not None), x.device)
+    groups = w_values.shape[0] + (shared is not None)
+    config = gemm_schedule(x.shape[0] * top_k, N, K, groups, x.device, x_scales is not None)
     config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
@@ -294,7 +295,7 @@ def mxfp8_linear(
     N, K = values.shape
     x2 = x.reshape(-1, K).contiguous()
     xs = None if x_scales is None else x_scales.view(torch.uint8).reshape(-1, K // MX_BLOCK_SIZE).contiguous()
-    config = gemm_schedule(x2.shape[0], N, K, 1, x.device)
+    config = gemm_schedule(x2.shape[0], N, K, 1, x.device, xs is not None)
     fmt = platform.fp8_format(values.dtype)
     out_dtype = x.dtype if x_scales is None else torch.bfloat16
     with eager_launches():
