@@ -42,19 +42,15 @@ SHAPES = [
     IndexCase("TP1", 4, 4, 2048, 18432),
     IndexCase("TP8", 1, 4, 2048, 18432),
 ]
-DECODE_VARIANTS = {
-    "keys_major": {"keys_major": True},
-    "stages4": {"score_stages": 4},
-    "stages2": {"score_stages": 2},
+DECODE_VARIANTS = {  # keys-major dots, stages and warps: measured, bench/NOTES.md (session 15)
+    "bf16_dot": {"fp16_q": False},  # FP8 rows: the key tile converted to bf16 (the default before session 15)
+    "fused": {"fused_topk": True},
+    "unfused": {"fused_topk": False},
     "chunks_x2": "chunks*2",
     "chunks_/2": "chunks/2",
-    "warps8": {"score_warps": 8},
 }
-PREFILL_VARIANTS = {  # the top-k variants (rows, warps, register tiles) measured within 1%: bench/NOTES.md
-    "keys_major": {"keys_major": True},
+PREFILL_VARIANTS = {  # keys-major dots, stages, warps and the top-k tiles: measured, bench/NOTES.md
     "stages4": {"score_stages": 4},
-    "stages2": {"score_stages": 2},
-    "warps4": {"score_warps": 4},
 }
 
 

@@ -6,6 +6,8 @@ exactly -- order included, ties toward the lower block id.  Random-float inputs 
 through the reference's scores (near-ties may legitimately swap).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -415,6 +417,48 @@ def test_fp8_index_cache(target, device):
             torch.ops.mm3.index_topk(index_q, index_k.to(other), block_table, cu, seq_lens, 5, 0, 1, "fp8")
 
 
+@pytest.mark.parametrize("fp16_q", [True, False])
+def test_fp8_index_cache_q_of_any_magnitude(fp16_q, device):
+    """With an FP8 cache the dot may run on fp16 operands, q scaled per row by a power of two: rows of
+    magnitude 2^-100 and 2^60 (far outside fp16), a zero row and a bf16 subnormal row rank as the reference."""
+    from mm3_compile import platform
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    fp8 = platform.platform_for(device).kv_e4m3_dtype
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 700), (1, 900), (1, 500), (1, 600)], 2, 32, device)
+    index_q = index_q.float()
+    index_q[0] *= 2.0**-100
+    index_q[1] *= 2.0**60
+    index_q[2] = 0.0
+    index_q[3] = index_q[3].sign() * 2.0**-133  # bf16 subnormal
+    index_q = index_q.to(torch.bfloat16)
+    k8 = index_k.to(fp8)
+    sched = dataclasses.replace(kernels.index_schedule(4, 4, 2, block_table.shape[1], device), fp16_q=fp16_q)
+    out = kernels.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1, platform.fp8_format(fp8), schedule=sched)
+    cpu = [t.cpu() for t in (index_q, k8, block_table, cu, seq_lens)]
+    assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 0, 1))
+
+
+def test_fp8_index_cache_huge_scores_rank_below_nan(device):
+    """NaN ranks as -1e30: a block scoring -1.6e31 (q of magnitude 2^95) must come after a NaN block, which
+    needs the fp16 dot's row scale undone on the scores (the ranking of finite scores alone would not)."""
+    from mm3_compile import platform
+
+    fp8 = platform.platform_for(device).kv_e4m3_dtype
+    index_q, index_k, block_table, cu, seq_lens = make_inputs([(1, 900)], 1, 16, device, seed=21)
+    index_q = index_q.float() * 2.0**95
+    page = lambda b: block_table[0, b].long()  # noqa: E731
+    index_k[page(2)] = -index_q[0, 0].sign().to(index_k.dtype)  # every key against q: a score of -|q|_1
+    index_k[page(4), 3, 5] = float("nan")
+    index_q = index_q.to(torch.bfloat16)
+    k8 = index_k.to(fp8)
+    out = torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 8, 0, 1, "fp8")
+    ref = index_topk_ref(*[t.cpu() for t in (index_q, k8, block_table, cu, seq_lens)], 8, 0, 1)
+    assert torch.equal(out.cpu(), ref)
+    order = ref[0, 0].tolist()
+    assert order.index(4) < order.index(2) == 7  # the NaN block above the most negative one, which is last
+
+
 def test_fp8_index_cache_write_and_scale_rule(device):
     """write_index_cache stores index_k / s in e4m3 (one scalar s per layer: sqrt(Didx) * max|1 + w| / FP8_MAX)."""
     from mm3_compile import platform
@@ -441,18 +485,22 @@ def test_fp8_index_cache_write_and_scale_rule(device):
 
 
 SM90_SCORE_COMPILE = """
+import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from mm3_compile import platform
 from mm3_compile.kernels.fp8 import FP8Launch
 from mm3_compile.kernels.indexer.topk import _index_score_kernel as kernel
 
+fp8 = sys.argv[1] == "fp8"  # a typed e4m3fn index-K cache read with the fp16 q dot
+launch = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True) if fp8 else FP8Launch(None)
 consts = dict(
     HIDX=4, DIDX=128, BLOCK_D=128, BLOCK_T=1, ROWS=16, Q_MODE=0, K_MODE=0, HAS_K_SCALE=False, FP32_DOT=False,
-    KEYS_MAJOR=False, SPLIT_NAN_MAX=False, FUSED_TOPK=True, TOPK=16, TOPK_ROWS=4, TOPK_BLOCK_N=256,
-    TOPK_SHORT_N=64, **FP8Launch(None).constexprs(),
+    KEYS_MAJOR=False, SPLIT_NAN_MAX=False, Q_FP16=fp8, FUSED_TOPK=True, TOPK=16, TOPK_ROWS=4, TOPK_BLOCK_N=256,
+    TOPK_SHORT_N=64, **launch.constexprs(),
 )
-pointers = ("*bf16", "*bf16", "*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*i32")
+pointers = ("*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*i32")
 ints = [n for n in kernel.arg_names[len(pointers):] if n not in consts]
 signature = dict(zip(kernel.arg_names, pointers), **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr"))
 constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
@@ -462,10 +510,12 @@ print("ATOM" if "atom" in ptx and "ld.global.cg" in ptx else "NO-ATOM")
 """
 
 
-def test_fused_score_kernel_compiles_for_sm90():
-    """The fused top-k path (arrival atomics, L2 loads of other programs' scores) compiled for sm_90 ahead of
-    time, without a GPU (the interpreter accepts what ptxas may not)."""
-    proc = run_python(SM90_SCORE_COMPILE, env_drop=("TRITON_INTERPRET",))
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_fused_score_kernel_compiles_for_sm90(cache):
+    """The fused top-k path (arrival atomics, L2 loads of other programs' scores), on a bf16 cache and on a
+    typed FP8 one with the fp16 q dot, compiled for sm_90 ahead of time, without a GPU (the interpreter accepts
+    what ptxas may not)."""
+    proc = run_python(SM90_SCORE_COMPILE, cache, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -74,6 +74,8 @@ class IndexSchedule:
     topk_short_n: the narrower register tile of top-k programs whose rows all see at most that many blocks.
     fused_topk: ``block_t`` 1 only: the last score program of each token to finish selects its top-k, so the
         call is one launch (small decode batches, where the second launch is a large part of the time).
+    fp16_q: with an FP8 index-K cache and a bf16/fp16 q, the dot runs on fp16 operands (q scaled per row by a
+        power of two, undone on the fp32 scores).
     """
 
     block_t: int
@@ -86,6 +88,7 @@ class IndexSchedule:
     topk_warps: int
     topk_short_n: int = 64
     fused_topk: bool = False
+    fp16_q: bool = True
 
     def rows(self, num_heads: int) -> int:
         return max(16, triton.next_power_of_2(self.block_t * num_heads))
@@ -146,6 +149,23 @@ def _widen(x, MODE: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _fp16_rows(q, FP32_DOT: tl.constexpr):
+    """q [ROWS, D] (bf16/fp16, or fp32 holding them) times 2^shift per row -> fp16 (fp32 under FP32_DOT), and
+    2^-shift [ROWS]. The shift brings the row's max |q| into [2^14, 2^15): bf16 and fp16 values stay exact
+    unless below 2^-28 of that max (fp16 subnormals), and no product of a typed FP8 key overflows. The hardware
+    conversion of a typed FP8 tile (sm_89+) is to fp16: the key tile then needs no conversion to bf16."""
+    qf = q.to(tl.float32)
+    q_max = tl.max(tl.abs(qf), axis=1)  # [ROWS]
+    exponent = ((q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # -127 for 0 and fp32 subnormals
+    shift = tl.minimum(tl.maximum(14 - exponent, -120), 120)  # both factors stay normal fp32
+    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    q16 = (qf * scale[:, None]).to(tl.float16)
+    if FP32_DOT:
+        q16 = q16.to(tl.float32)
+    return q16, ((127 - shift) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _nan_max(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -159,6 +179,7 @@ def _page_scores(
     num_pages,
     key0,  # first key position of the block
     pos,  # [ROWS] query positions (used when MASKED)
+    q_unscale,  # [ROWS] fp32 2^-shift of a power-of-two scaled fp16 q (Q_FP16)
     stride_kb,
     stride_kp,
     MASKED: tl.constexpr,
@@ -170,6 +191,7 @@ def _page_scores(
     KEYS_MAJOR: tl.constexpr,
     FP8: tl.constexpr,  # FP8 format code of the index-K bytes (kernels/fp8.py)
     SPLIT_NAN_MAX: tl.constexpr,  # the interpreter: NaN test and max as two builtin reductions
+    Q_FP16: tl.constexpr,
 ):
     """[ROWS] max over the page's (visible) keys of the row's dot product (NaN-propagating)."""
     key_off = tl.arange(0, PAGE)
@@ -208,8 +230,13 @@ def _page_scores(
     if SPLIT_NAN_MAX:
         # the interpreter runs a custom combine function once per element pair in Python (~100x slower)
         has_nan = tl.max((s != s).to(tl.int32), 1)  # noqa: PLR0124 (NaN test)
-        return tl.where(has_nan > 0, float("nan"), tl.max(s, 1))
-    return tl.reduce(s, 1, _nan_max)
+        best = tl.where(has_nan > 0, float("nan"), tl.max(s, 1))
+    else:
+        best = tl.reduce(s, 1, _nan_max)
+    if Q_FP16:
+        # the scores of the unscaled q: a positive power of two commutes with the max (rounding is monotonic)
+        best = best * q_unscale
+    return best
 
 
 @triton.jit
@@ -271,6 +298,7 @@ def _index_score_kernel(
     FP32_DOT: tl.constexpr,  # fp32 operands, IEEE dot (fp32 inputs, or the interpreter's broken bf16 dots)
     KEYS_MAJOR: tl.constexpr,
     SPLIT_NAN_MAX: tl.constexpr,  # see _page_scores
+    Q_FP16: tl.constexpr,  # FP8 index-K: q scaled per row by a power of two into fp16, the dot on fp16 operands
     FUSED_TOPK: tl.constexpr,  # BLOCK_T 1: the token's last chunk to arrive selects its top-k (no second launch)
     TOPK: tl.constexpr,
     TOPK_ROWS: tl.constexpr,  # next_pow2(HIDX): the token's (head) rows in the fused selection
@@ -322,6 +350,9 @@ def _index_score_kernel(
             q = tl.load(q_ptrs, mask=q_mask, other=0)
         if FP32_DOT:
             q = _widen(q, Q_MODE, FP8)
+        q_unscale = pos.to(tl.float32) * 0.0  # [ROWS] (unused without Q_FP16)
+        if Q_FP16:
+            q, q_unscale = _fp16_rows(q, FP32_DOT)
         s_ptrs = score_ptr + head.to(tl.int64) * stride_sh + tokens * stride_st  # [ROWS]
         bt_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
         for b in range(lo, tl.minimum(hi, full_end)):
@@ -334,6 +365,7 @@ def _index_score_kernel(
                 num_pages,
                 b * PAGE,
                 pos,
+                q_unscale,
                 stride_kb,
                 stride_kp,
                 False,
@@ -345,6 +377,7 @@ def _index_score_kernel(
                 KEYS_MAJOR,
                 FP8,
                 SPLIT_NAN_MAX,
+                Q_FP16,
             )
             tl.store(s_ptrs + b, best, mask=row_ok)
         for b in range(tl.maximum(lo, full_end), hi):
@@ -357,6 +390,7 @@ def _index_score_kernel(
                 num_pages,
                 b * PAGE,
                 pos,
+                q_unscale,
                 stride_kb,
                 stride_kp,
                 True,
@@ -368,6 +402,7 @@ def _index_score_kernel(
                 KEYS_MAJOR,
                 FP8,
                 SPLIT_NAN_MAX,
+                Q_FP16,
             )
             tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
         if FUSED_TOPK:
@@ -606,6 +641,7 @@ def index_topk(
         FP32_DOT=fp32_dot,
         KEYS_MAJOR=schedule.keys_major,
         SPLIT_NAN_MAX=interpreting(),
+        Q_FP16=schedule.fp16_q and k_format is not None and index_q.dtype in (torch.bfloat16, torch.float16),
         FUSED_TOPK=fused,
         TOPK=topk,
         TOPK_ROWS=triton.next_power_of_2(num_heads),
