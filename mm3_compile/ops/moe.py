@@ -105,7 +105,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     _check_align(ids, num_experts, block_m)
     if values_checked(ids) and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
         raise ValueError(f"ids: expected expert ids in [0, {num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
-    return align_kernels.moe_align(ids, num_experts, block_m)
+    with eager_launches():
+        return align_kernels.moe_align(ids, num_experts, block_m)
 
 
 @moe_align.register_fake

@@ -14,6 +14,7 @@ activation code across a rounding tie).
 """
 
 import math
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
+from mm3_compile.kernels.moe import align as align_kernels
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.properties.strategies import (
@@ -140,10 +142,16 @@ def routes(draw, max_tokens=24):
     route=routes(max_tokens=40),
     block_m=st.sampled_from([16, 32, 64]),
     dtype=st.sampled_from([torch.int32, torch.int64]),
+    path=st.sampled_from(["one program", "torch ops"]),
+    more_experts=st.sampled_from([0, 0, 120, 300]),  # 129 (M3 with the shared expert), past a 256-wide tile
 )
-def test_align_layout_exact(route, block_m, dtype):
+def test_align_layout_exact(route, block_m, dtype, path, more_experts):
+    """Both implementations (the one-program kernel of decode-sized routings, the torch ops of larger ones)."""
     ids, num_experts = route
-    pairs, blocks = torch.ops.mm3.moe_align(*on_device(ids.to(dtype)), num_experts, block_m)
+    num_experts += more_experts
+    small = align_kernels.SMALL_PAIRS if path == "one program" else -1
+    with mock.patch.object(align_kernels, "SMALL_PAIRS", small):
+        pairs, blocks = torch.ops.mm3.moe_align(*on_device(ids.to(dtype)), num_experts, block_m)
     ref_pairs, ref_blocks = align_layout(ids, num_experts, block_m)
     assert pairs.dtype == torch.int32 and blocks.dtype == torch.int32
     assert pairs.cpu().tolist() == ref_pairs and blocks.cpu().tolist() == ref_blocks
