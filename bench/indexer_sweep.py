@@ -44,8 +44,6 @@ SHAPES = [
 ]
 DECODE_VARIANTS = {  # keys-major dots, stages and warps: measured, bench/NOTES.md (session 15)
     "bf16_dot": {"fp16_q": False},  # FP8 rows: the key tile converted to bf16 (the default before session 15)
-    "fused": {"fused_topk": True},
-    "unfused": {"fused_topk": False},
     "chunks_x2": "chunks*2",
     "chunks_/2": "chunks/2",
 }

@@ -6,7 +6,6 @@ import types
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile import platform
 
@@ -119,46 +118,3 @@ def require_kernel_device(name: str, t: torch.Tensor) -> None:
         )
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
-
-
-# Arrival counters (the last of a tile's programs to arrive finishes the tile: split decode attention merges,
-# the fused indexer top-k selects) must be zero when a kernel starts; the finishing program zeroes its counter
-# again. Eager calls on a CUDA device's default stream, and CUDA-graph captures once such a call has happened,
-# therefore share one zeroed buffer per device, kept for the life of the process (no memset per step): calls
-# on one stream run one after the other, whichever Python thread issues them; graphs captured with it must
-# not be replayed while another of them, or an eager call on the default stream, is still running on another
-# stream. Everything else gets a fresh ``torch.zeros`` (a memset): calls on other streams (two may run at
-# once), captures before any eager call, grids larger than the buffer, bodies traced for a graph (a compiled
-# step zeroes its own counters, ~1 us), and every CPU call: the interpreter runs a call's programs on the
-# calling thread, so calls from several Python threads interleave and one call's finish would fire on
-# another's arrivals.
-# Split decode splits only below a target program count and the fused indexer top-k only small batches, so a
-# few thousand counters cover every shape-derived plan.
-ARRIVAL_COUNTERS = 4096
-_shared_counters: dict[tuple[str, int | None], torch.Tensor] = {}
-_shared_counters_lock = threading.Lock()
-
-
-def arrival_counters(count, like: torch.Tensor) -> torch.Tensor:
-    """``count`` zeroed int32 counters on ``like``'s device (shared where that is safe, see below)."""
-    device = like.device
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    default_stream = device.type == "cuda" and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
-    shareable = (
-        device.type == "cuda"  # CPU calls (the interpreter) may run concurrently from threads: fresh counters each
-        and type(like) is torch.Tensor  # not a fake or functional tensor
-        and get_proxy_mode() is None
-        and not launches_traced()
-        and isinstance(count, int)
-        and count <= ARRIVAL_COUNTERS
-        and (default_stream or capturing)
-    )
-    if shareable:
-        key = (device.type, device.index)
-        with _shared_counters_lock:
-            if key not in _shared_counters and not capturing:
-                _shared_counters[key] = torch.zeros((ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
-            shared = _shared_counters.get(key)
-        if shared is not None:
-            return shared
-    return torch.zeros((count,), dtype=torch.int32, device=device)

@@ -333,44 +333,26 @@ def test_bf16_subnormals_widen_exactly(device):
     assert out[0].tolist() == [[4, 3, 2, 1, 0], [3, 1, 2, 0, -1]]
 
 
-SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n, topk_short_n, fused_topk): every path
-    (1, 3, False, 1, 16, 16, False),
-    (2, 2, True, 4, 128, 16, False),  # the 2200-token request's 18 blocks: the wide register tile, the rest short
-    (4, 1, False, 16, 32, 64, False),  # short_n past block_n: the launcher clamps it
-    (64, 5, True, 64, 16, 16, False),
-    (1, 3, False, 1, 16, 16, True),  # the top-k in the score launch: rescanning rows
-    (1, 4, False, 1, 128, 16, True),  # ... and both register tiles
+SCHEDULES = [  # (block_t, chunks, keys_major, topk_rows, topk_block_n, topk_short_n): every path of both kernels
+    (1, 3, False, 1, 16, 16),
+    (2, 2, True, 4, 128, 16),  # the 2200-token request's 18 blocks take the wide register tile, the rest the short
+    (4, 1, False, 16, 32, 64),  # short_n past block_n: the launcher clamps it
+    (64, 5, True, 64, 16, 16),
 ]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_same_lists(schedule, device):
-    """Split keys, query tiles of every size, both dot orientations, both register tiles and rescanning top-k,
-    the top-k in its own launch and in the score launch (the last chunk of a token to finish selects)."""
+    """Split keys, query tiles of every size, both dot orientations, both register tiles and rescanning top-k."""
     from mm3_compile.kernels.indexer import topk as kernels
 
-    block_t, chunks, keys_major, topk_rows, block_n, short_n, fused = schedule
-    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4, short_n, fused)
+    block_t, chunks, keys_major, topk_rows, block_n, short_n = schedule
+    sched = kernels.IndexSchedule(block_t, chunks, 4, 1, keys_major, topk_rows, block_n, 4, short_n)
     args = make_inputs([(3, 1000), (1, 0), (20, 200), (1, 2200)], 2, 32, device, seed=block_t)
     cpu_args = [t.cpu() for t in args]
     for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):
         out = kernels.index_topk(*args, topk, init_blocks, local_blocks, schedule=sched)
         assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
-
-
-def test_fused_topk_fills_tokens_outside_every_request(device):
-    """With the top-k in the score launch, tokens past ``cu_seqlens_q[-1]`` (no request) still get all -1, as
-    the separate top-k launch gives them; a second call reuses the zeroed arrival counters."""
-    from mm3_compile.kernels.indexer import topk as kernels
-
-    index_q, index_k, block_table, cu, seq_lens = make_inputs([(2, 700), (1, 300)], 2, 32, device, seed=14)
-    index_q = torch.cat([index_q, index_q[:2]])  # 2 tokens outside every request
-    outs = []
-    for fused in (False, True, True):
-        sched = kernels.IndexSchedule(1, 3, 4, 1, False, 1, 16, 4, 16, fused)
-        outs.append(kernels.index_topk(index_q, index_k, block_table, cu, seq_lens, 4, 0, 1, schedule=sched))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
-    assert bool((outs[1][:, 3:] == -1).all()) and bool((outs[1][:, :3] >= 0).any())
 
 
 def test_query_tiles_found_past_64_requests(device):
@@ -485,7 +467,6 @@ def test_fp8_index_cache_write_and_scale_rule(device):
 
 
 SM90_SCORE_COMPILE = """
-import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -493,30 +474,26 @@ from mm3_compile import platform
 from mm3_compile.kernels.fp8 import FP8Launch
 from mm3_compile.kernels.indexer.topk import _index_score_kernel as kernel
 
-fp8 = sys.argv[1] == "fp8"  # a typed e4m3fn index-K cache read with the fp16 q dot
-launch = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True) if fp8 else FP8Launch(None)
+launch = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True)  # typed e4m3fn index-K, sm_90
 consts = dict(
     HIDX=4, DIDX=128, BLOCK_D=128, BLOCK_T=1, ROWS=16, Q_MODE=0, K_MODE=0, HAS_K_SCALE=False, FP32_DOT=False,
-    KEYS_MAJOR=False, SPLIT_NAN_MAX=False, Q_FP16=fp8, FUSED_TOPK=True, TOPK=16, TOPK_ROWS=4, TOPK_BLOCK_N=256,
-    TOPK_SHORT_N=64, **launch.constexprs(),
+    KEYS_MAJOR=False, SPLIT_NAN_MAX=False, Q_FP16=True, **launch.constexprs(),
 )
-pointers = ("*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*i32")
+pointers = ("*bf16", "*fp8e4nv", "*fp32", "*i32", "*i32", "*i32", "*fp32")
 ints = [n for n in kernel.arg_names[len(pointers):] if n not in consts]
 signature = dict(zip(kernel.arg_names, pointers), **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr"))
 constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
 src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-print("ATOM" if "atom" in ptx and "ld.global.cg" in ptx else "NO-ATOM")
+print("F16-MMA" if "mma" in ptx and "f16.f16" in ptx else "NO-F16-MMA")
 """
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_fused_score_kernel_compiles_for_sm90(cache):
-    """The fused top-k path (arrival atomics, L2 loads of other programs' scores), on a bf16 cache and on a
-    typed FP8 one with the fp16 q dot, compiled for sm_90 ahead of time, without a GPU (the interpreter accepts
-    what ptxas may not)."""
-    proc = run_python(SM90_SCORE_COMPILE, cache, env_drop=("TRITON_INTERPRET",))
+def test_fp8_score_kernel_compiles_for_sm90_with_fp16_dots():
+    """The FP8 index-K score kernel with the fp16 q dot compiled for sm_90 ahead of time, without a GPU (the
+    interpreter runs that path with fp32 dots): a tensor-core dot on fp16 operands."""
+    proc = run_python(SM90_SCORE_COMPILE, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ATOM")
+    assert proc.stdout.strip().endswith("F16-MMA")

@@ -342,7 +342,11 @@ def test_gpu_real_width_moe_matches_float64(device):
     err = float((out[sub].double() - ref).abs().max() / ref.abs().max())
     assert err <= MOE_TOL, err
     ys = torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0])
-    assert_bf16_close(ys, mxfp8_linear_ref(x, v1[0], s1[0]))
+    # K = 6144 summed in fp32 in another order (tensor-core partial sums) moves outputs near 0 by more than the
+    # CPU test's atol 1e-6: measured on the H200, 15 of 393216 outputs past it, the largest difference 1.9e-5;
+    # allowed here: 2^-14 of max |ref| (ref ~ N(0, 1) per output)
+    ref = mxfp8_linear_ref(x, v1[0], s1[0])
+    torch.testing.assert_close(ys.double(), ref, rtol=BF16_RTOL, atol=2.0**-14 * float(ref.abs().max()))
 
 
 SM90_COMPILE = """

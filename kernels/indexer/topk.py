@@ -41,9 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.kernels._launch import arrival_counters, empty_row_major, launch, size_hint
+from mm3_compile.kernels._launch import empty_row_major, launch, size_hint
 from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.kernels.packed import find_request, find_requests
 from mm3_compile.platform import FP8Format, interpreting
@@ -57,11 +56,6 @@ LOCAL_RANK = tl.constexpr(0x7FFFFFFD)
 READ_TYPED, READ_BF16_BITS, READ_FP8_BYTES = 0, 1, 2
 
 
-# Decode batches up to this many tokens select in the score launch (the arrival-counter ordering holds on
-# NVIDIA GPUs; AMD's release covers only the issuing wavefront's stores: kernels/sparse_attn/decode.py).
-FUSED_TOPK_TOKENS = 8
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexSchedule:
     """Launch choices of :func:`index_topk`; any value gives the same lists (only speed differs).
@@ -72,8 +66,6 @@ class IndexSchedule:
     keys_major: compute ``K @ Q^T`` ([128, ROWS], keys as the MMA's M side) instead of ``Q @ K^T``.
     topk_rows / topk_block_n / topk_warps: (head, token) rows per top-k program, blocks held in registers.
     topk_short_n: the narrower register tile of top-k programs whose rows all see at most that many blocks.
-    fused_topk: ``block_t`` 1 only: the last score program of each token to finish selects its top-k, so the
-        call is one launch (small decode batches, where the second launch is a large part of the time).
     fp16_q: with an FP8 index-K cache and a bf16/fp16 q, the dot runs on fp16 operands (q scaled per row by a
         power of two, undone on the fp32 scores).
     """
@@ -87,7 +79,6 @@ class IndexSchedule:
     topk_block_n: int
     topk_warps: int
     topk_short_n: int = 64
-    fused_topk: bool = False
     fp16_q: bool = True
 
     def rows(self, num_heads: int) -> int:
@@ -103,8 +94,8 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
     """The schedule for these shapes on ``device`` (symbolic sizes are read through their hints).
 
     Tiles take every token of a short request (decode, MTP) and up to 128 dot rows otherwise (a
-    page then feeds a 128-row MMA: prefill is compute-bound).  Chunks split the keys until there are
-    about eight programs per SM in decode, four in prefill.  The interpreter gets few, large programs (it runs one at a time).
+    page then feeds a 128-row MMA: prefill is compute-bound).  Chunks split the keys into at most one
+    wave of four programs per SM in decode, about four per SM in prefill.  The interpreter gets few, large programs (it runs one at a time).
     """
     tokens = max(size_hint(total_q) or 1, 1)
     reqs = max(size_hint(num_reqs) or 1, 1)
@@ -115,10 +106,13 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
         return IndexSchedule(block_t, 1, 4, 1, False, 64, 128, 4)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     tiles = tokens if block_t == 1 else triton.cdiv(tokens, block_t) + reqs
-    # decode: about 8 programs per SM (B128: 5 chunks 300 us, 10 chunks 270 us bf16 / 232 -> 202 us FP8; B32
-    # flat; B1 is bound by its 256 pages either way: bench/NOTES.md, session 15); prefill tiles: about 4
-    per_sm = 8 if block_t == 1 else 4
-    chunks = max(1, min(blocks, triton.cdiv(per_sm * sms, tiles)))
+    if block_t == 1:
+        # decode: at most one wave of 4 programs per SM, a partly filled second wave costs (B128 bf16: 5 chunks
+        # 300 us, 9 chunks 274 us, 4 chunks 257 us; FP8 9 -> 4 chunks 167 -> 147 us; B32 33 -> 16 chunks FP8
+        # 46.8 -> 44.2 us; bench/NOTES.md, session 15). B1 takes one page per program either way.
+        chunks = max(1, min(blocks, 4 * sms // tiles))
+    else:  # prefill tiles: about 4 programs per SM
+        chunks = max(1, min(blocks, triton.cdiv(4 * sms, tiles)))
     rows = max(16, triton.next_power_of_2(block_t * num_heads))
     prefill = rows >= 64
     # top-k: enough (head, token) rows per program to fill about two programs per SM, at most 16
@@ -127,7 +121,6 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
     return IndexSchedule(
         block_t=block_t,
         chunks=chunks,
-        fused_topk=block_t == 1 and tokens <= FUSED_TOPK_TOKENS and platform.hardware_vendor(device) == "nvidia",
         score_warps=8 if prefill else 4,
         score_stages=3,  # prefill too (bench/NOTES.md, indexer prefill top-k tile)
         keys_major=False,
@@ -270,16 +263,9 @@ def _index_score_kernel(
     cu_seqlens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     score_ptr,  # [Hidx, total_q, max_blocks rounded up to 16] fp32
-    out_ptr,  # [Hidx, total_q, TOPK] int32 (FUSED_TOPK)
-    arrivals_ptr,  # [total_q] int32 zeroed arrival counters (FUSED_TOPK)
     num_reqs,
     total_q,
     num_pages,
-    max_blocks,
-    init_blocks,
-    local_blocks,
-    stride_oh,
-    stride_ot,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -299,11 +285,6 @@ def _index_score_kernel(
     KEYS_MAJOR: tl.constexpr,
     SPLIT_NAN_MAX: tl.constexpr,  # see _page_scores
     Q_FP16: tl.constexpr,  # FP8 index-K: q scaled per row by a power of two into fp16, the dot on fp16 operands
-    FUSED_TOPK: tl.constexpr,  # BLOCK_T 1: the token's last chunk to arrive selects its top-k (no second launch)
-    TOPK: tl.constexpr,
-    TOPK_ROWS: tl.constexpr,  # next_pow2(HIDX): the token's (head) rows in the fused selection
-    TOPK_BLOCK_N: tl.constexpr,
-    TOPK_SHORT_N: tl.constexpr,
     FP8: tl.constexpr,  # the FP8 launch constants of the index-K cache (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,
@@ -405,43 +386,14 @@ def _index_score_kernel(
                 Q_FP16,
             )
             tl.store(s_ptrs + b, best, mask=row_ok & (b * PAGE <= pos))
-        if FUSED_TOPK:
-            # The last of the token's chunks to arrive selects (decode.py's ordering: a CTA barrier orders
-            # every thread's score stores before the GPU-scope acq_rel arrival; the selecting program reads
-            # the scores from L2, .cg). The launcher fuses only on NVIDIA GPUs and the interpreter.
-            tl.debug_barrier()
-            counter = arrivals_ptr + tile
-            if tl.atomic_add(counter, 1, sem="acq_rel") == n_chunks - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed")  # zero for the next call (nothing else reads it now)
-                h = tl.arange(0, TOPK_ROWS)
-                token_pos = seq_len - q_len + i0 + h * 0  # [TOPK_ROWS]
-                nb = tl.minimum(tl.where(token_pos >= 0, token_pos // PAGE + 1, 0), max_blocks)
-                _select_rows(
-                    score_ptr + h.to(tl.int64) * stride_sh + tile.to(tl.int64) * stride_st,
-                    nb,
-                    init_blocks,
-                    local_blocks,
-                    out_ptr + h.to(tl.int64) * stride_oh + tile.to(tl.int64) * stride_ot,
-                    h < HIDX,
-                    TOPK,
-                    TOPK_ROWS,
-                    TOPK_BLOCK_N,
-                    TOPK_SHORT_N,
-                    ".cg",
-                )
-    if FUSED_TOPK:
-        if (tile < total_q) & (chunk == 0) & (tile_ok == 0):  # a token outside every request: all -1
-            h = tl.arange(0, TOPK_ROWS)
-            for slot in range(TOPK):
-                tl.store(out_ptr + h * stride_oh + tile * stride_ot + slot, -1, mask=h < HIDX)
 
 
 @triton.jit
-def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr):
     """[ROWS, BLOCK_N] int64 keys of blocks ``n0 + [0, BLOCK_N)`` (the lowest key where not visible)."""
     blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     valid = blocks[None, :] < nb[:, None]  # [ROWS, BLOCK_N]
-    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=valid, other=0.0, cache_modifier=CACHE)
+    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=valid, other=0.0)
     s = tl.where(s != s, NAN_SCORE, s)  # noqa: PLR0124 (the NaN test)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
@@ -464,52 +416,15 @@ def _select_in_registers(
     TOPK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CACHE: tl.constexpr,
 ):
     """Rows of at most ``BLOCK_N`` visible blocks: one load of their keys, ``TOPK`` rounds of "largest left"."""
     NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
-    keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N, CACHE)
+    keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N)
     for slot in range(TOPK):
         best = tl.max(keys, axis=1)
         ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
         tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
         keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
-
-
-@triton.jit
-def _select_rows(
-    row_ptrs,  # [ROWS] score rows
-    nb,  # [ROWS] visible blocks per row
-    init_blocks,
-    local_blocks,
-    out_ptrs,  # [ROWS] output rows
-    row_ok,
-    TOPK: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SHORT_N: tl.constexpr,  # <= BLOCK_N: the register tile of programs whose rows see at most SHORT_N blocks
-    CACHE: tl.constexpr,  # load cache modifier of the scores (".cg": written by other programs of this launch)
-):
-    """``TOPK`` ids per row, forced blocks first, then descending score (ties: lower id), -1 padded."""
-    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
-    scan_end = tl.max(nb, axis=0)
-    # the row's keys stay in registers, in the narrower tile where the program's rows fit it (a selection
-    # round costs in proportion to the tile: causal prefill rows see few blocks)
-    if scan_end <= SHORT_N:
-        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, SHORT_N, CACHE)
-    elif scan_end <= BLOCK_N:
-        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N, CACHE)
-    else:  # long rows: per slot, the largest key below the previous slot's
-        previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
-        for slot in range(TOPK):
-            best = NO_KEY
-            for n0 in range(0, scan_end, BLOCK_N):
-                keys = _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N, CACHE)
-                keys = tl.where(keys < previous[:, None], keys, NO_KEY[:, None])
-                best = tl.maximum(best, tl.max(keys, axis=1))
-            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
-            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
-            previous = best
 
 
 @triton.jit
@@ -549,7 +464,25 @@ def _index_topk_kernel(
     nb = tl.minimum(nb, max_blocks)  # [ROWS] nb(p)
     row_ptrs = score_ptr + rows.to(tl.int64) * stride_st  # [ROWS]
     out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + token.to(tl.int64) * stride_ot
-    _select_rows(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N, SHORT_N, "")
+    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
+    scan_end = tl.max(nb, axis=0)
+    # the row's keys stay in registers, in the narrower tile where the program's rows fit it (a selection
+    # round costs in proportion to the tile: causal prefill rows see few blocks)
+    if scan_end <= SHORT_N:
+        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, SHORT_N)
+    elif scan_end <= BLOCK_N:
+        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
+    else:  # long rows: per slot, the largest key below the previous slot's
+        previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
+        for slot in range(TOPK):
+            best = NO_KEY
+            for n0 in range(0, scan_end, BLOCK_N):
+                keys = _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N)
+                keys = tl.where(keys < previous[:, None], keys, NO_KEY[:, None])
+                best = tl.maximum(best, tl.max(keys, axis=1))
+            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
+            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
+            previous = best
 
 
 def _read_mode(t: torch.Tensor, fp32_dot: bool) -> tuple[torch.Tensor, int]:
@@ -601,8 +534,6 @@ def index_topk(
     # sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs bounds the grid by shapes alone
     # (surplus programs exit at once)
     tiles = total_q if block_t == 1 else triton.cdiv(total_q, block_t) + num_reqs
-    fused = schedule.fused_topk and block_t == 1
-    out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
     launch(
         _index_score_kernel,
         (tiles, schedule.chunks),
@@ -613,16 +544,9 @@ def index_topk(
         cu_seqlens_q,
         seq_lens,
         scores,
-        out,
-        arrival_counters(total_q, index_q) if fused else out,
         num_reqs,
         total_q,
         index_k_cache.shape[0],
-        max_blocks,
-        init_blocks,
-        local_blocks,
-        out.stride(0),
-        out.stride(1),
         index_q.stride(0),
         index_q.stride(1),
         index_k_cache.stride(0),
@@ -642,17 +566,11 @@ def index_topk(
         KEYS_MAJOR=schedule.keys_major,
         SPLIT_NAN_MAX=interpreting(),
         Q_FP16=schedule.fp16_q and k_format is not None and index_q.dtype in (torch.bfloat16, torch.float16),
-        FUSED_TOPK=fused,
-        TOPK=topk,
-        TOPK_ROWS=triton.next_power_of_2(num_heads),
-        TOPK_BLOCK_N=schedule.topk_block_n,
-        TOPK_SHORT_N=min(schedule.topk_short_n, schedule.topk_block_n),
         **fp8.constexprs(),
         num_warps=schedule.score_warps,
         num_stages=schedule.score_stages,
     )
-    if fused:
-        return out
+    out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
     launch(
         _index_topk_kernel,
         (triton.cdiv(num_heads * total_q, schedule.topk_rows),),

@@ -8,17 +8,30 @@ depends only on shapes and the device's SM count, never on data, so a captured C
 valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
 being guarded.  With one split there are no partials and no counters.
 
-Arrival counters: ``kernels/_launch.arrival_counters`` (when one buffer is shared, when each call zeroes its own).
+Arrival counters must be zero when the kernel starts; the merging program zeroes its counter
+again.  Eager calls on a CUDA device's default stream, and CUDA-graph captures once such a call has
+happened, therefore share one zeroed buffer per device, kept for the life of the process (no
+memset per step): calls on one stream run one after the other, whichever Python thread issues
+them; graphs captured with it must not be replayed while another of them, or an eager decode call
+on the default stream, is still running on another stream.  Everything else gets a fresh
+``torch.zeros`` (a memset): calls on other streams (two of them may run at once), captures before
+any eager call, grids larger than the buffer, bodies traced for a graph (so a compiled step zeroes
+its own counters, ~1 us), and every CPU call: the interpreter runs a call's programs on the calling
+thread, so calls from several Python threads interleave and one call's merge would fire on
+another's arrivals.
 
 The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq_rel atomic).
 AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.
 """
 
+import threading
+
 import torch
 import triton
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from mm3_compile import platform
-from mm3_compile.kernels._launch import arrival_counters
+from mm3_compile.kernels._launch import launches_traced
 from mm3_compile.kernels.sparse_attn.schedule import sm_count
 from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
@@ -32,6 +45,11 @@ PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
 # exercise the merge).
 INTERPRETER_TARGET_PROGRAMS = 8
+# Reused arrival counters: splitting happens only below the target program count, so a few
+# thousand (tile, KV head) counters cover every shape-derived plan.
+ARRIVAL_COUNTERS = 4096
+_shared_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+_shared_counters_lock = threading.Lock()
 
 
 def _target_programs(device: torch.device, per_sm: int) -> int:
@@ -52,6 +70,31 @@ def split_plan(total_q, num_kv_heads: int, topk, device: torch.device, per_sm: i
     wanted = torch.sym_max(1, torch.sym_min(topk, _target_programs(device, per_sm) // work))
     blocks_per_split = (topk + wanted - 1) // wanted
     return (topk + blocks_per_split - 1) // blocks_per_split, blocks_per_split
+
+
+def _arrival_counters(count, like: torch.Tensor) -> torch.Tensor:
+    """``count`` zeroed int32 counters on ``like``'s device (the module docstring says when they are shared)."""
+    device = like.device
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    default_stream = device.type == "cuda" and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    shareable = (
+        device.type == "cuda"  # CPU calls (the interpreter) may run concurrently from threads: fresh counters each
+        and type(like) is torch.Tensor  # not a fake or functional tensor
+        and get_proxy_mode() is None
+        and not launches_traced()
+        and isinstance(count, int)
+        and count <= ARRIVAL_COUNTERS
+        and (default_stream or capturing)
+    )
+    if shareable:
+        key = (device.type, device.index)
+        with _shared_counters_lock:
+            if key not in _shared_counters and not capturing:
+                _shared_counters[key] = torch.zeros((ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
+            shared = _shared_counters.get(key)
+        if shared is not None:
+            return shared
+    return torch.zeros((count,), dtype=torch.int32, device=device)
 
 
 def sparse_attn_decode(
@@ -84,7 +127,7 @@ def sparse_attn_decode(
     if not (isinstance(num_splits, int) and num_splits == 1):  # a symbolic count may still be 1 at run time
         o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
         lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
-        arrivals = arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q)  # one per (tile, KV head)
+        arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q)  # one per (tile, KV head)
         split_buffers = (o_partial, lse, arrivals)
     launch_sparse_attn(
         q,

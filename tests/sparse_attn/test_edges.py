@@ -7,7 +7,6 @@ import torch
 import triton
 
 from mm3_compile import platform
-from mm3_compile.kernels import _launch as launch_helpers
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import prefill, union
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
@@ -247,7 +246,7 @@ def test_gpu_decode_merge_across_calls_streams_and_graphs(Hq, Hkv, q_per_req, bl
     # A grid with more (token, KV head) tiles than the shared buffer has counters gets fresh ones;
     # compared with the unsplit kernel (checked against the reference by the tests above).
     big = build(
-        device, [(300, 1)] * (launch_helpers.ARRIVAL_COUNTERS // Hkv + 1), D=128, Hkv=Hkv, G=Hq // Hkv, T=16, seed=4
+        device, [(300, 1)] * (decode_kernels.ARRIVAL_COUNTERS // Hkv + 1), D=128, Hkv=Hkv, G=Hq // Hkv, T=16, seed=4
     )
     big_view, _ = resolve_cache_view(big.kv_cache, big.kv_cache_dtype, big.q.dtype)
     split, whole = (
@@ -268,7 +267,7 @@ def test_gpu_decode_merge_across_calls_streams_and_graphs(Hq, Hkv, q_per_req, bl
     )
     assert_close(split, whole, torch.bfloat16, "grid past the shared counters")
     torch.cuda.synchronize()
-    assert not launch_helpers.arrival_counters(1, case.q).any()
+    assert not decode_kernels._arrival_counters(1, case.q).any()
 
 
 def test_huge_logits_give_the_same_rows_in_every_schedule(device, monkeypatch):

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mm3_compile import platform
-from mm3_compile.kernels import _launch as launch_helpers
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.kernels.sparse_attn import kv_centric, prefill
 from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
@@ -76,8 +75,8 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     # On CUDA the in-kernel merge's arrival counters are shared between calls: the merging programs
     # left them at zero, so a call with other queries merges correctly too.
     if device.type == "cuda":
-        counters = launch_helpers.arrival_counters(1, case.q)
-        assert counters.numel() == launch_helpers.ARRIVAL_COUNTERS and not counters.any()
+        counters = decode_kernels._arrival_counters(1, case.q)
+        assert counters.numel() == decode_kernels.ARRIVAL_COUNTERS and not counters.any()
     q2 = torch.randn_like(case.q)
     ref2 = sparse_attn_decode_ref(q2, *case.decode_args()[1:6], case.storage_dtype)
     assert_close(run(q2), ref2, torch.bfloat16, f"second call, {num_splits} splits")
@@ -120,9 +119,9 @@ def test_shared_counters_are_real_cuda_tensors_only():
 
     with FakeTensorMode() as mode:
         fake_q = mode.from_tensor(torch.zeros(2, 4, 64, dtype=torch.bfloat16))
-        assert isinstance(launch_helpers.arrival_counters(2, fake_q), FakeTensor)
+        assert isinstance(decode_kernels._arrival_counters(2, fake_q), FakeTensor)
     cpu_q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
-    first, second = (launch_helpers.arrival_counters(2, cpu_q) for _ in range(2))
+    first, second = (decode_kernels._arrival_counters(2, cpu_q) for _ in range(2))
     assert first.numel() == second.numel() == 2 and first.data_ptr() != second.data_ptr()
     assert not first.any() and not second.any()
 
