@@ -44,6 +44,8 @@ SHAPES = [
 ]
 DECODE_VARIANTS = {  # keys-major dots, stages and warps: measured, bench/NOTES.md (session 15)
     "bf16_dot": {"fp16_q": False},  # FP8 rows: the key tile converted to bf16 (the default before session 15)
+    "topk_warps1": {"topk_warps": 1},  # one row per program: selection rounds as warp shuffles, no CTA barrier
+    "topk_warps2": {"topk_warps": 2},
     "chunks_x2": "chunks*2",
     "chunks_/2": "chunks/2",
 }
