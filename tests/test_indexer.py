@@ -355,6 +355,26 @@ def test_every_schedule_same_lists(schedule, device):
         assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
 
 
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(1, 1000), (1, 1), (1, 2200), (1, 300)],  # decode: token t is request t (the score kernel's guess)
+        [(1, 1000), (0, 0), (1, 2200), (0, 5), (1, 300)],  # empty requests: the guess misses, the search finds it
+    ],
+)
+@pytest.mark.parametrize("block_n", [16, 32])  # 18 blocks: past the preloaded tile (rescans) or within it
+def test_decode_rows_same_lists(requests, block_n, device):
+    """One-token tiles and one-row top-k programs (the decode schedule: guessed requests, preloaded scores)."""
+    from mm3_compile.kernels.indexer import topk as kernels
+
+    sched = kernels.IndexSchedule(1, 2, 4, 1, False, 1, block_n, 1, 16)
+    args = make_inputs(requests, 4, 32, device, seed=block_n)
+    cpu_args = [t.cpu() for t in args]
+    for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):
+        out = kernels.index_topk(*args, topk, init_blocks, local_blocks, schedule=sched)
+        assert torch.equal(out.cpu(), index_topk_ref(*cpu_args, topk, init_blocks, local_blocks))
+
+
 def test_query_tiles_found_past_64_requests(device):
     """Tiles of ``block_t`` tokens over 70 requests (empty ones among them): each program sums the tile counts
     of the requests in 64-request steps to find its own, so the second step must count the first's."""

@@ -126,7 +126,9 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
         keys_major=False,
         topk_rows=topk_rows,
         topk_block_n=256,
-        topk_warps=4,
+        # one warp per single-row program: a selection round is warp shuffles, no CTA barrier (decode B1 11.3 ->
+        # 10.7 us, B128 FP8 147.8 -> 141.6 us; within 1% elsewhere: bench/NOTES.md, session 16)
+        topk_warps=1 if topk_rows == 1 else 4,
     )
 
 
@@ -296,18 +298,32 @@ def _index_score_kernel(
     chunk = tl.program_id(1)
     n_chunks = tl.num_programs(1)
     if BLOCK_T == 1:
-        tile_ok = tile < tl.load(cu_seqlens_ptr + num_reqs)
-        req = find_request(cu_seqlens_ptr, num_reqs, tile)
-        i0 = tile - tl.load(cu_seqlens_ptr + req)
+        # One token per request (decode) puts token t in request t: guess it, and load that request's metadata
+        # in the same round as the check, so the block table and page loads follow after one dependent round
+        # (a miss falls back to the binary search).
+        guess = tl.maximum(tl.minimum(tile, num_reqs - 1), 0)
+        total = tl.load(cu_seqlens_ptr + num_reqs)
+        q_start = tl.load(cu_seqlens_ptr + guess)
+        q_end = tl.load(cu_seqlens_ptr + guess + 1, mask=guess < num_reqs, other=0)
+        seq_len = tl.load(seq_lens_ptr + guess, mask=guess < num_reqs, other=0)
+        tile_ok = tile < total
+        req = guess
+        if (tile < q_start) | (tile >= q_end):
+            req = find_request(cu_seqlens_ptr, num_reqs, tile)
+            q_start = tl.load(cu_seqlens_ptr + req)
+            q_end = tl.load(cu_seqlens_ptr + req + 1, mask=req < num_reqs, other=0)
+            seq_len = tl.load(seq_lens_ptr + req, mask=req < num_reqs, other=0)
+        i0 = tile - q_start
     else:
         req, first_tile = _find_tile(cu_seqlens_ptr, num_reqs, tile, BLOCK_T, 64)
         tile_ok = req >= 0
         req = tl.maximum(req, 0)
         i0 = (tile - first_tile) * BLOCK_T
-    if tile_ok:  # surplus programs (and num_reqs = 0) read nothing
         q_start = tl.load(cu_seqlens_ptr + req)
-        q_len = tl.load(cu_seqlens_ptr + req + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + req)
+        q_end = tl.load(cu_seqlens_ptr + req + 1, mask=req < num_reqs, other=0)
+        seq_len = tl.load(seq_lens_ptr + req, mask=req < num_reqs, other=0)
+    if tile_ok:  # surplus programs (and num_reqs = 0) read nothing
+        q_len = q_end - q_start
         r = tl.arange(0, ROWS)
         head = r % HIDX
         i = i0 + r // HIDX  # [ROWS] query index within the request
@@ -389,11 +405,9 @@ def _index_score_kernel(
 
 
 @triton.jit
-def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr):
-    """[ROWS, BLOCK_N] int64 keys of blocks ``n0 + [0, BLOCK_N)`` (the lowest key where not visible)."""
-    blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+def _score_keys(s, blocks, nb, init_blocks, local_blocks):
+    """[ROWS, BLOCK_N] int64 keys of the scores ``s`` of ``blocks`` ([BLOCK_N]; the lowest key where not visible)."""
     valid = blocks[None, :] < nb[:, None]  # [ROWS, BLOCK_N]
-    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=valid, other=0.0)
     s = tl.where(s != s, NAN_SCORE, s)  # noqa: PLR0124 (the NaN test)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
     bits = s.to(tl.int32, bitcast=True)
@@ -401,14 +415,34 @@ def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constex
     rank = tl.where(blocks[None, :] < init_blocks, INIT_RANK, rank)
     rank = tl.where(blocks[None, :] >= nb[:, None] - local_blocks, LOCAL_RANK, rank)  # local wins
     keys = rank.to(tl.int64) * 4294967296 + (2147483647 - blocks).to(tl.int64)[None, :]
-    no_key = tl.full([1, BLOCK_N], -2147483648, tl.int64) * 4294967296
+    no_key = tl.full(blocks[None, :].shape, -2147483648, tl.int64) * 4294967296
     return tl.where(valid, keys, no_key)
 
 
 @triton.jit
-def _select_in_registers(
+def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N] int64 keys of blocks ``n0 + [0, BLOCK_N)`` (the lowest key where not visible)."""
+    blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=blocks[None, :] < nb[:, None], other=0.0)
+    return _score_keys(s, blocks, nb, init_blocks, local_blocks)
+
+
+@triton.jit
+def _select(keys, out_ptrs, row_ok, TOPK: tl.constexpr, ROWS: tl.constexpr):
+    """``TOPK`` rounds of "largest key left" over keys held in registers."""
+    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
+    for slot in range(TOPK):
+        best = tl.max(keys, axis=1)
+        ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
+        tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
+        keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+
+
+@triton.jit
+def _select_long(
     row_ptrs,
     nb,
+    scan_end,
     init_blocks,
     local_blocks,
     out_ptrs,
@@ -417,14 +451,18 @@ def _select_in_registers(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Rows of at most ``BLOCK_N`` visible blocks: one load of their keys, ``TOPK`` rounds of "largest left"."""
-    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
-    keys = _block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N)
+    """Rows longer than the register tile: per slot, the largest key below the previous slot's."""
+    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296
+    previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
     for slot in range(TOPK):
-        best = tl.max(keys, axis=1)
+        best = NO_KEY
+        for n0 in range(0, scan_end, BLOCK_N):
+            keys = _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N)
+            keys = tl.where(keys < previous[:, None], keys, NO_KEY[:, None])
+            best = tl.maximum(best, tl.max(keys, axis=1))
         ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
         tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
-        keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+        previous = best
 
 
 @triton.jit
@@ -446,6 +484,7 @@ def _index_topk_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SHORT_N: tl.constexpr,  # <= BLOCK_N: the register tile of programs whose rows see at most SHORT_N blocks
+    PRELOAD: tl.constexpr,  # load the first BLOCK_N scores before the row's length is known (decode rows)
 ):
     stride_st = score_row_units * 16
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] row = head * total_q + token
@@ -453,6 +492,14 @@ def _index_topk_kernel(
     rows = tl.where(row_ok, rows, 0)
     head = rows // total_q
     token = rows % total_q
+    row_ptrs = score_ptr + rows.to(tl.int64) * stride_st  # [ROWS]
+    if PRELOAD:
+        # in the same round as the request's metadata (the scores past the row's length are in the buffer and
+        # masked below): one dependent round less before the selection
+        blocks = tl.arange(0, BLOCK_N)
+        pre = tl.load(
+            row_ptrs[:, None] + blocks[None, :], mask=row_ok[:, None] & (blocks < max_blocks)[None, :], other=0.0
+        )
     lo = find_requests(cu_seqlens_ptr, num_reqs, token)  # the token's request
     has_req = row_ok & (lo < num_reqs)
     q_start = tl.load(cu_seqlens_ptr + lo, mask=has_req, other=0)
@@ -462,27 +509,21 @@ def _index_topk_kernel(
     pos = seq_len - (q_end - q_start) + (token - q_start)
     nb = tl.where(in_req & (pos >= 0), pos // PAGE + 1, 0)
     nb = tl.minimum(nb, max_blocks)  # [ROWS] nb(p)
-    row_ptrs = score_ptr + rows.to(tl.int64) * stride_st  # [ROWS]
     out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + token.to(tl.int64) * stride_ot
-    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
     scan_end = tl.max(nb, axis=0)
     # the row's keys stay in registers, in the narrower tile where the program's rows fit it (a selection
     # round costs in proportion to the tile: causal prefill rows see few blocks)
-    if scan_end <= SHORT_N:
-        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, SHORT_N)
+    if PRELOAD:
+        if scan_end <= BLOCK_N:
+            _select(_score_keys(pre, blocks, nb, init_blocks, local_blocks), out_ptrs, row_ok, TOPK, ROWS)
+        else:
+            _select_long(row_ptrs, nb, scan_end, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
+    elif scan_end <= SHORT_N:
+        _select(_block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, SHORT_N), out_ptrs, row_ok, TOPK, ROWS)
     elif scan_end <= BLOCK_N:
-        _select_in_registers(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
-    else:  # long rows: per slot, the largest key below the previous slot's
-        previous = tl.full([ROWS], 9223372036854775807, tl.int64)  # above every real key
-        for slot in range(TOPK):
-            best = NO_KEY
-            for n0 in range(0, scan_end, BLOCK_N):
-                keys = _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N)
-                keys = tl.where(keys < previous[:, None], keys, NO_KEY[:, None])
-                best = tl.maximum(best, tl.max(keys, axis=1))
-            ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
-            tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
-            previous = best
+        _select(_block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N), out_ptrs, row_ok, TOPK, ROWS)
+    else:
+        _select_long(row_ptrs, nb, scan_end, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
 
 
 def _read_mode(t: torch.Tensor, fp32_dot: bool) -> tuple[torch.Tensor, int]:
@@ -591,6 +632,7 @@ def index_topk(
         ROWS=schedule.topk_rows,
         BLOCK_N=schedule.topk_block_n,
         SHORT_N=min(schedule.topk_short_n, schedule.topk_block_n),
+        PRELOAD=schedule.topk_rows == 1,
         num_warps=schedule.topk_warps,
     )
     return out
