@@ -76,7 +76,9 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: b
         # bf16 x (GEMM1, k 6144): 512-wide k steps in 3 stages streamed 2-3% faster (T1 52.2 -> 50.7 us, T32
         # 711 -> 693 us); for GEMM2 (MXFP8 x, dequantized per step too; k 3072) they were 1.5-1.7x slower
         return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512, num_warps=4, num_stages=3)
-    return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=4)
+    # GEMM2 (and k not a multiple of 512): 256-wide k steps in 3 stages (4 before: T1 32.5 -> 31.4 us, T32 417 -> 395
+    # us, T128 706 -> 669 us, bench/NOTES.md session 16)
+    return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=3)
 
 
 def num_blocks(rows, num_experts: int, block_m: int):
