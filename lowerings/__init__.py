@@ -6,6 +6,7 @@ decomposition that puts its Triton kernels into Inductor's generated code on GPU
 symbolic-shape configuration under which serving batches never recompile.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -71,10 +72,26 @@ def compile_options() -> dict:
     return {"post_grad_custom_post_pass": Mm3PostGradPass()} if supported() else {}
 
 
-def dynamic_shapes():
+def dynamic_shapes(tokens: int | None = None):
     """Context manager for compiling serving code: batch and token dims of any size, 1 included, share a graph.
 
     ``torch.compile(dynamic=True)`` alone still specialises sizes 0/1 (decode batch 1 recompiles) and
     duck-sizes equal sizes into one symbol (a batch of 2 requests would be tied to 2 KV heads).
+
+    Args:
+        tokens: the token count of the call (the size hint a first call traces with). At 1, Inductor's loop
+            reordering after fusion is turned off: on torch 2.11 it fused the residual add (``6144 * s`` flat)
+            into the next RMSNorm's reduction (``s`` rows of 6144) of an M3 decode step traced at one token,
+            then failed its code generation (``CantSplit: 6144 not divisible by 6144*s31``; H200, session 16).
+
+    Examples:
+        >>> with mm3_compile.dynamic_shapes(input_ids.shape[0]):  # doctest: +SKIP
+        ...     logits = compiled_decode(input_ids, meta, caches)
     """
-    return torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    shapes = torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    if tokens != 1:
+        return shapes
+    stack = contextlib.ExitStack()
+    stack.enter_context(shapes)
+    stack.enter_context(torch._inductor.config.patch(loop_ordering_after_fusion=False))
+    return stack

@@ -261,7 +261,8 @@ def compile_model(model: MiniMaxM3ForCausalLM, backend: str = "inductor", **kwar
             if check is not None:
                 check(meta)
             torch._dynamo.maybe_mark_dynamic(input_ids, 0)
-            with dynamic_shapes():  # batch 1 / 1-token prefills share the graph too (no 0/1 specialisation)
+            # batch 1 / 1-token prefills share the graph too (no 0/1 specialisation), and can be traced first
+            with dynamic_shapes(input_ids.shape[0]):
                 return compiled(input_ids, meta, caches)
 
         return call
