@@ -14,7 +14,9 @@ pick another expert for a token).
 On a GPU the compiled decode step is also replayed from a CUDA graph (``compiled_graph``,
 :class:`mm3_compile.models.graphs.GraphedDecode`: static metadata buffers updated in place, one
 graph for the batch's bucket), timed per step like the launched rows (host metadata copy + replay)
-and checked against eager the same way.
+and checked against eager the same way, for the batch of 32 and for a single request (``B1``, compiled
+afresh with the single request traced first: the kernels' schedules are chosen from the traced sizes).
+Both graph rows are reported against their HBM floors.
 """
 
 import statistics
@@ -120,6 +122,40 @@ def _graphed_workload(model, runtime, fns, batch, prompt, steps):
     return WorkloadResult(results, lens)
 
 
+def _single_request(ctx: Context, model, prompt: int, steps: int, base: dict) -> None:
+    """B1 decode steps replayed from a CUDA graph, compiled afresh with one request traced first."""
+    from mm3_compile.contract import PAGE_SIZE
+    from mm3_compile.models import PagedKVRuntime, compile_model, run_demo_workload
+
+    blocks = -(-(prompt + steps) // PAGE_SIZE) + 1
+    runtime = PagedKVRuntime(model, num_blocks=blocks, max_blocks_per_request=blocks, kv_cache_dtype="auto")
+    eager = run_demo_workload(model, runtime, 1, prompt, steps, compiled=False)
+    torch._dynamo.reset()
+    # no FX graph cache hit: a hit would bring back code traced (and scheduled) for the batch of 32
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        graphed = _graphed_workload(model, runtime, compile_model(model, backend=ctx.compile_backend), 1, prompt, steps)
+    check = _compare(graphed, eager)
+    ms = 1e3 * statistics.median(s.seconds for s in graphed.steps[2:])
+    floor = hbm_floor_bytes(model, 1, prompt + steps)
+    ctx.record(
+        **dict(base, shape=base["shape"].replace(" B32 ", " B1 "), ceiling_kind="copy"),
+        provider="compiled_graph",
+        mode="graph",
+        bytes=floor,
+        note=f"{_floor_note(ctx, floor)}; {check.note}",
+        correct=check.ok,
+        max_err=check.max_err,
+        n_sets=1,
+        graph_replay=True,
+        **ctx.rates(ms, None, floor, "copy"),
+    )
+
+
+def _floor_note(ctx: Context, floor: int) -> str:
+    floor_ms = floor / ctx.ceilings["copy"] / 1e6 if ctx.ceilings.get("copy") else None
+    return f"HBM floor {floor / 1e9:.3g} GB" + (f" = {floor_ms:.3g} ms at the copy ceiling" if floor_ms else "")
+
+
 def run(ctx: Context) -> None:
     from mm3_compile.models import compile_model, run_demo_workload
 
@@ -158,8 +194,7 @@ def run(ctx: Context) -> None:
     ctx.record(**base, provider="eager", mode="launched", ms=eager_ms, us=eager_ms * 1e3, note=check.note, **common)
     floor = hbm_floor_bytes(model, batch, prompt + steps)
     rates = ctx.rates(compiled_ms, None, floor, "copy")  # ms, us, gbps and the % of the floor's copy rate
-    floor_ms = floor / ctx.ceilings["copy"] / 1e6 if ctx.ceilings.get("copy") else None
-    floor_note = f"HBM floor {floor / 1e9:.3g} GB" + (f" = {floor_ms:.3g} ms at the copy ceiling" if floor_ms else "")
+    floor_note = _floor_note(ctx, floor)
     ctx.record(
         **dict(base, ceiling_kind="copy"),
         provider="compiled",
@@ -174,13 +209,13 @@ def run(ctx: Context) -> None:
         graph_check = _compare(graphed_run, eager)
         graph_ms = 1e3 * statistics.median(s.seconds for s in graphed_run.steps[2:])
         ctx.record(
-            **base,
+            **dict(base, ceiling_kind="copy"),
             provider="compiled_graph",
             mode="graph",
-            ms=graph_ms,
-            us=graph_ms * 1e3,
-            note=f"{graph_ms / compiled_ms:.2f}x launched compiled; {graph_check.note}",
+            bytes=floor,
+            note=f"{graph_ms / compiled_ms:.2f}x launched compiled; {floor_note}; {graph_check.note}",
             **dict(common, correct=graph_check.ok, max_err=graph_check.max_err, graph_replay=True),
+            **ctx.rates(graph_ms, None, floor, "copy"),
         )
     for provider, seconds, note in (
         ("compile_cold", first_steps(cold) - first_steps(steady), "first compiled prefill+decode minus steady state"),
@@ -191,3 +226,5 @@ def run(ctx: Context) -> None:
         ),
     ):
         ctx.record(**base, provider=provider, mode="-", ms=seconds * 1e3, us=seconds * 1e6, note=note, **common)
+    if ctx.cuda and not ctx.budget.expired():
+        _single_request(ctx, model, prompt, steps, base)

@@ -137,10 +137,10 @@ def decode_configs(T):
     out = [default]
     for bn, bk, st, w, swap in (
         (64, 512, 3, 4, False),
-        (64, 512, 3, 8, False),
-        (64, 256, 4, 8, False),
+        (64, 256, 4, 4, False),
+        (128, 256, 4, 4, False),
         (32, 512, 3, 4, False),
-        (64, 256, 5, 4, False),
+        (64, 256, 3, 4, False),
     ):
         c = GemmConfig(16, bn, bk, w, st, swap)
         if c != default:
@@ -225,7 +225,7 @@ def main():
     print(f"[{time.monotonic() - T0:.0f} s]", flush=True)
     if not args.cpu:
         timer = Timer(device, quick=True)
-        variants(moe, device, timer, [1, 32], decode_configs)
+        variants(moe, device, timer, [1, 32, 128], decode_configs)
         if not args.skip_prefill:
             variants(moe, device, timer, [8192], prefill_configs)
         if not args.skip_block:
