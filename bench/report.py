@@ -367,17 +367,30 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
         results.append(("compiled decoder layer step", LAYER_NEED, measured, "PASS" if ok else "FAIL"))
     else:
         results.append(("compiled decoder layer step", LAYER_NEED, "no rows", "MISSING"))
-    for batch, need_ms in LAYER_GRAPH_MS.items():
-        picked = [r for r in layer_rows if r["provider"] == "compiled_graph" and f" B{batch} " in r["shape"]]
-        verdict(
-            f"compiled decoder layer step B{batch} (graph)",
-            f"<= {need_ms:g} ms (reported against its HBM floor)",
-            picked,
-            lambda r: -r["ms"],
-            lambda r, need_ms=need_ms: r["ms"] <= need_ms,
-            family="layer",
-        )
+    graphed = [r for r in layer_rows if r["provider"] == "compiled_graph"]
+    _time_limits(
+        verdict,
+        LAYER_GRAPH_MS,
+        lambda batch: [r for r in graphed if f" B{batch} " in r["shape"]],
+        "compiled decoder layer step B{} (graph)",
+        "ms",
+        "layer",
+        " (reported against its HBM floor)",
+    )
     return results
+
+
+def _time_limits(verdict, limits: dict, picked_for, name: str, unit: str, family: str, note: str = "") -> None:
+    """One target per size in ``limits`` (size -> most ``unit``): every row ``picked_for(size)`` within it."""
+    for size, need in limits.items():
+        verdict(
+            name.format(size),
+            f"<= {need:g} {unit}{note}",
+            picked_for(size),
+            lambda r: -r[unit],
+            lambda r, need=need: r[unit] <= need,
+            family=family,
+        )
 
 
 LAYER_GRAPH_MS = {32: 2.0, 1: 0.35}  # m3-1layer decode step after 2048-token prompts, compiled + CUDA graph
@@ -393,16 +406,14 @@ def _moe_tokens(shape: str) -> int:
 def _moe_targets(rows, verdict) -> None:
     """The compiled MoE block per decode token count, and prefill against the matmul ceiling."""
     moe = [r for r in _ok_rows(rows, family="moe") if r["provider"] == "ours_compiled"]
-    for tokens, need_us in MOE_DECODE_US.items():
-        picked = [r for r in moe if r["mode"] == "graph" and _moe_tokens(r["shape"]) == tokens]
-        verdict(
-            f"MoE block {tokens} token(s), compiled (graph)",
-            f"<= {need_us:g} us",
-            picked,
-            lambda r: -r["us"],
-            lambda r, need_us=need_us: r["us"] <= need_us,
-            family="moe",
-        )
+    _time_limits(
+        verdict,
+        MOE_DECODE_US,
+        lambda tokens: [r for r in moe if r["mode"] == "graph" and _moe_tokens(r["shape"]) == tokens],
+        "MoE block {} token(s), compiled (graph)",
+        "us",
+        "moe",
+    )
     prefill = [dict(r) for r in moe if _moe_tokens(r["shape"]) == 8192]
     for r in prefill:
         base = [

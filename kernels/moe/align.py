@@ -81,7 +81,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
         launch(
             _align_small_kernel,
             (1,),
-            ids.reshape(-1),
+            ids.contiguous(),  # read flat: no reshape of the token dim in a traced graph (ops/moe.py)
             sorted_pairs,
             block_expert,
             pairs,

@@ -25,6 +25,21 @@ SCALE_DTYPES = (torch.uint8, E8M0_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _contiguous_as(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``t`` (made contiguous) viewed as ``shape`` through explicit row-major strides.
+
+    Inductor lowers a reshape that merges or splits the token dim by comparing sizes, which guards on a
+    backed size's hint: a decode graph traced at one token got the guard ``T == 1`` (torch 2.11,
+    ``_dynamic_reshape_indexer``) and recompiled for the next batch. ``as_strided`` lowers to a plain
+    reinterpretation of the buffer, with no comparison.
+    """
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return torch.as_strided(t.contiguous(), shape, tuple(reversed(strides)))
+
+
 def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device, x_mx: bool = False):
     """The GEMM tiles for ``rows`` pairs (a size hint under tracing: one config per graph)."""
     return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx)
@@ -414,11 +429,11 @@ def moe_experts(
         block_m,
         1,
         act_scales,
-        weights.reshape(-1),
+        _contiguous_as(weights, (T * k,)),
         shared_down_values,
         shared_down_scales,
     )  # [T*k, H] fp32, weighted
-    return ys.view(T, k, -1).sum(1)
+    return _contiguous_as(ys, (T, k, H)).sum(1)
 
 
 @moe_experts.register_fake
