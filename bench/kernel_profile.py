@@ -3,9 +3,9 @@
 ``python bench/kernel_profile.py [--tokens 1,32,128] [--no-layer]``: ``mm3::index_topk`` (decode B1/B32 at 32768 tokens,
 prefill 1x8192, Hidx 4, bf16 index cache), the M3 MoE block at the real widths
 (``bench/moe.py``'s seeded weights) compiled with ``fullgraph=True`` for each token count, and the
-``m3_1layer`` decode step (B32 after 2048-token prompts, ``bench/layer.py``'s workload) compiled as the
-demo compiles it. Each is launched (not graph-replayed) under ``torch.profiler`` for ``--iters`` calls after
-warm-up; per kernel name: launches per call, mean GPU µs per launch, µs per call. The sum of kernel times
+``m3_1layer`` decode step (``--layer-batches``, default B32 and B1, after 2048-token prompts, ``bench/layer.py``'s
+workload) compiled as the demo compiles it, afresh per batch. Each is launched (not graph-replayed) under
+``torch.profiler`` for ``--iters`` calls after warm-up; per kernel name: launches per call, mean GPU µs per launch, µs per call. The sum of kernel times
 against the CUDA-graph replay time of the same call says how much of a replay is launch gaps (a graph still
 pays ~2 µs between dependent kernels). Prints markdown tables and writes them to ``$OUT/profile.md``.
 """
@@ -103,16 +103,32 @@ def indexer_rows(iters: int, lines: list[str]) -> None:
         report(f"index_topk B{B} q_len {q_len} seq {seq} Hidx 4 (eager op)", call, iters, lines)
 
 
-def layer_rows(iters: int, lines: list[str]) -> None:
+def layer_rows(iters: int, lines: list[str], batches: list[int]) -> None:
+    """The compiled decode step per batch size, each compiled afresh with that batch traced first (the kernels'
+    schedules follow the traced sizes)."""
     from bench.layer import _workload
-    from mm3_compile.models import compile_model
-    from mm3_compile.models.graphs import GraphedDecode
-    from mm3_compile.models.runtime import workload_tokens
+    from mm3_compile.contract import PAGE_SIZE
 
     class _Ctx:
         cuda, device = True, torch.device("cuda")
 
-    config, model, runtime, batch, prompt, _ = _workload(_Ctx)
+    config, model, _, _, prompt, steps = _workload(_Ctx)
+    blocks = -(-(prompt + steps) // PAGE_SIZE) + 1
+    for batch in batches:
+        _layer_step(model, config, prompt, blocks, batch, iters, lines)
+
+
+def _layer_step(model, config, prompt: int, blocks: int, batch: int, iters: int, lines: list[str]) -> None:
+    """One batch size's decode step, plus the host time of the static-buffer write that precedes each replay in
+    :class:`GraphedDecode` (the layer bench's graph rows include it)."""
+    import time
+
+    from mm3_compile.models import PagedKVRuntime, compile_model
+    from mm3_compile.models.graphs import GraphedDecode
+    from mm3_compile.models.runtime import workload_tokens
+
+    runtime = PagedKVRuntime(model, num_blocks=batch * blocks, max_blocks_per_request=blocks)
+    torch._dynamo.reset()
     fns = compile_model(model)
     lens = [prompt] * batch
     prompts, decode_tokens = workload_tokens(config.vocab_size, lens, 1, seed=0)  # the demo's random tokens
@@ -121,8 +137,20 @@ def layer_rows(iters: int, lines: list[str]) -> None:
         fns[0](torch.cat(prompts).to(runtime.device), runtime.add_prompts(lens), runtime.caches)
         graphed = GraphedDecode(model, runtime, decode_fn=fns[1], batch_sizes=(batch,))
         runtime.advance([1] * batch)
-        graphed.buffers.write(batch, decode_tokens[0], runtime.seq_lens, runtime.block_tables)
+
+        def write():
+            graphed.buffers.write(batch, decode_tokens[0], runtime.seq_lens, runtime.block_tables)
+
+        write()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(iters):
+            write()
+        torch.cuda.synchronize()
+        host_us = (time.perf_counter() - started) / iters * 1e6
         report(f"m3-1layer decode step B{batch} after {prompt} (compiled)", lambda: graphed._run(batch), iters, lines)
+    lines += [f"Host write of the static buffers before a replay: {host_us:.1f} µs", ""]
+    print(lines[-2], flush=True)
 
 
 def main() -> None:
@@ -130,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,32,128")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-layer", action="store_true")
+    parser.add_argument("--layer-batches", default="32,1", help="decode step batch sizes")
     args = parser.parse_args()
     lines: list[str] = [f"# Kernel profile ({torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
     import mm3_compile  # noqa: F401 (registers the ops)
@@ -137,7 +166,7 @@ def main() -> None:
     indexer_rows(args.iters, lines)
     moe_rows([int(t) for t in args.tokens.split(",") if t], args.iters, lines)
     if not args.no_layer:
-        layer_rows(args.iters, lines)
+        layer_rows(args.iters, lines, [int(b) for b in args.layer_batches.split(",") if b])
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "profile.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
