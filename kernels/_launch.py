@@ -1,6 +1,7 @@
 """How every launcher starts a kernel: through ``wrap_triton`` so AOTAutograd can trace it."""
 
 import contextlib
+import os
 import threading
 import types
 
@@ -118,3 +119,16 @@ def require_kernel_device(name: str, t: torch.Tensor) -> None:
         )
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for eager launches on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
+    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
+    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
+    argument."""
+    if platform.interpreting() or device.type != "cuda" or launches_traced():
+        return False
+    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9

@@ -363,11 +363,13 @@ def test_every_schedule_same_lists(schedule, device):
     ],
 )
 @pytest.mark.parametrize("block_n", [16, 32])  # 18 blocks: past the preloaded tile (rescans) or within it
-def test_decode_rows_same_lists(requests, block_n, device):
-    """One-token tiles and one-row top-k programs (the decode schedule: guessed requests, preloaded scores)."""
+@pytest.mark.parametrize("chunks", [2, 32])  # 32 >= the table's 19 blocks: one block per chunk, its page read ahead
+def test_decode_rows_same_lists(requests, block_n, chunks, device):
+    """One-token tiles and one-row top-k programs (the decode schedule: guessed requests, preloaded scores, and
+    with a grid as wide as the table each chunk's page loaded with the guessed request's metadata)."""
     from mm3_compile.kernels.indexer import topk as kernels
 
-    sched = kernels.IndexSchedule(1, 2, 4, 1, False, 1, block_n, 1, 16)
+    sched = kernels.IndexSchedule(1, chunks, 4, 1, False, 1, block_n, 1, 16)
     args = make_inputs(requests, 4, 32, device, seed=block_n)
     cpu_args = [t.cpu() for t in args]
     for topk, init_blocks, local_blocks in ((16, 0, 1), (3, 1, 2)):

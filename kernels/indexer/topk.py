@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.kernels._launch import empty_row_major, launch, size_hint
+from mm3_compile.kernels._launch import empty_row_major, launch, size_hint, use_pdl
 from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.kernels.packed import find_request, find_requests
 from mm3_compile.platform import FP8Format, interpreting
@@ -52,6 +52,7 @@ NAN_SCORE = tl.constexpr(-1e30)
 # Ranks of forced blocks: above the order-preserving image of +inf (0x7F800000), init above local.
 INIT_RANK = tl.constexpr(0x7FFFFFFE)
 LOCAL_RANK = tl.constexpr(0x7FFFFFFD)
+NO_RANK = tl.constexpr(-2147483648)  # below the image of -inf (0x807FFFFF as int32): a block not visible
 # How a kernel reads a tensor: as typed, as bf16 bits widened exactly, or as FP8 bytes decoded exactly.
 READ_TYPED, READ_BF16_BITS, READ_FP8_BYTES = 0, 1, 2
 
@@ -235,6 +236,14 @@ def _page_scores(
 
 
 @triton.jit
+def _table_page(bt_ptr, b, stride_btb, spec_block, spec_page):
+    """Block ``b``'s page: ``spec_page`` when ``b`` is the block loaded ahead, else read from the table."""
+    ahead = b == spec_block
+    page = tl.load(bt_ptr + b * stride_btb, mask=ahead == 0, other=0)
+    return tl.where(ahead, spec_page, page)
+
+
+@triton.jit
 def _find_tile(cu_ptr, num_reqs, tile, BLOCK_T: tl.constexpr, RB: tl.constexpr):
     """The request of query tile ``tile`` (``BLOCK_T``-token tiles that never straddle requests) and that
     request's first tile; request -1 past the last tile.  Tile counts are summed in ``RB``-request steps in
@@ -275,6 +284,7 @@ def _index_score_kernel(
     stride_btr,
     stride_btb,
     score_row_units,  # score row length / 16 (see index_topk)
+    max_blocks,  # block-table width
     HIDX: tl.constexpr,
     DIDX: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -291,12 +301,20 @@ def _index_score_kernel(
     FP8_MAX: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,
     FP8_NATIVE_STORE: tl.constexpr,
+    PDL: tl.constexpr,  # the top-k kernel is a programmatic dependent launch of this one (sm_90+)
 ):
+    if PDL:
+        # Launched as a dependent itself: every input may come from the previous grid, nothing is read before
+        # the wait. Triggering right after it lets the top-k grid start and read its metadata meanwhile.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     stride_st = score_row_units * 16
     stride_sh = tl.cast(stride_st, tl.int64) * total_q  # can pass 2^31 at long contexts
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     n_chunks = tl.num_programs(1)
+    spec_block = -1  # the block whose page was loaded ahead (none)
+    spec_page = 0
     if BLOCK_T == 1:
         # One token per request (decode) puts token t in request t: guess it, and load that request's metadata
         # in the same round as the check, so the block table and page loads follow after one dependent round
@@ -306,6 +324,12 @@ def _index_score_kernel(
         q_start = tl.load(cu_seqlens_ptr + guess)
         q_end = tl.load(cu_seqlens_ptr + guess + 1, mask=guess < num_reqs, other=0)
         seq_len = tl.load(seq_lens_ptr + guess, mask=guess < num_reqs, other=0)
+        # A grid as wide as the table gives every chunk at most one block, its own index (B1): the guessed
+        # request's page for it loads in the same round too, and the page itself right after.
+        one_block = (n_chunks >= max_blocks) & (chunk < max_blocks) & (guess < num_reqs)
+        page_ahead = tl.load(
+            block_table_ptr + guess.to(tl.int64) * stride_btr + chunk * stride_btb, mask=one_block, other=0
+        )
         tile_ok = tile < total
         req = guess
         if (tile < q_start) | (tile >= q_end):
@@ -313,6 +337,9 @@ def _index_score_kernel(
             q_start = tl.load(cu_seqlens_ptr + req)
             q_end = tl.load(cu_seqlens_ptr + req + 1, mask=req < num_reqs, other=0)
             seq_len = tl.load(seq_lens_ptr + req, mask=req < num_reqs, other=0)
+        elif one_block:
+            spec_block = chunk
+            spec_page = page_ahead
         i0 = tile - q_start
     else:
         req, first_tile = _find_tile(cu_seqlens_ptr, num_reqs, tile, BLOCK_T, 64)
@@ -333,7 +360,7 @@ def _index_score_kernel(
         pos = seq_len - q_len + i  # [ROWS] absolute query positions
         first_pos = seq_len - q_len + i0
         last_pos = seq_len - q_len + tl.minimum(i0 + BLOCK_T, q_len) - 1
-        nb_tile = tl.where(last_pos >= 0, last_pos // PAGE + 1, 0)
+        nb_tile = tl.minimum(tl.where(last_pos >= 0, last_pos // PAGE + 1, 0), max_blocks)  # never past the table
         per_chunk = tl.cdiv(nb_tile, n_chunks)
         lo = chunk * per_chunk
         hi = tl.minimum(lo + per_chunk, nb_tile)
@@ -353,7 +380,7 @@ def _index_score_kernel(
         s_ptrs = score_ptr + head.to(tl.int64) * stride_sh + tokens * stride_st  # [ROWS]
         bt_ptr = block_table_ptr + req.to(tl.int64) * stride_btr
         for b in range(lo, tl.minimum(hi, full_end)):
-            page = tl.load(bt_ptr + b * stride_btb)
+            page = _table_page(bt_ptr, b, stride_btb, spec_block, spec_page)
             best = _page_scores(
                 q,
                 k_ptr,
@@ -378,7 +405,7 @@ def _index_score_kernel(
             )
             tl.store(s_ptrs + b, best, mask=row_ok)
         for b in range(tl.maximum(lo, full_end), hi):
-            page = tl.load(bt_ptr + b * stride_btb)
+            page = _table_page(bt_ptr, b, stride_btb, spec_block, spec_page)
             best = _page_scores(
                 q,
                 k_ptr,
@@ -405,8 +432,9 @@ def _index_score_kernel(
 
 
 @triton.jit
-def _score_keys(s, blocks, nb, init_blocks, local_blocks):
-    """[ROWS, BLOCK_N] int64 keys of the scores ``s`` of ``blocks`` ([BLOCK_N]; the lowest key where not visible)."""
+def _score_ranks(s, blocks, nb, init_blocks, local_blocks):
+    """[ROWS, BLOCK_N] int32 ranks of the scores ``s`` of ``blocks`` ([BLOCK_N]): the order-preserving integer
+    image of the score, forced blocks above every score; ``NO_RANK`` (below every real rank) where not visible."""
     valid = blocks[None, :] < nb[:, None]  # [ROWS, BLOCK_N]
     s = tl.where(s != s, NAN_SCORE, s)  # noqa: PLR0124 (the NaN test)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0
@@ -414,28 +442,56 @@ def _score_keys(s, blocks, nb, init_blocks, local_blocks):
     rank = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     rank = tl.where(blocks[None, :] < init_blocks, INIT_RANK, rank)
     rank = tl.where(blocks[None, :] >= nb[:, None] - local_blocks, LOCAL_RANK, rank)  # local wins
+    return tl.where(valid, rank, NO_RANK)
+
+
+@triton.jit
+def _score_keys(s, blocks, nb, init_blocks, local_blocks):
+    """[ROWS, BLOCK_N] int64 keys ``rank * 2^32 + 2^31 - 1 - block`` (the lowest key where not visible)."""
+    rank = _score_ranks(s, blocks, nb, init_blocks, local_blocks)
     keys = rank.to(tl.int64) * 4294967296 + (2147483647 - blocks).to(tl.int64)[None, :]
     no_key = tl.full(blocks[None, :].shape, -2147483648, tl.int64) * 4294967296
-    return tl.where(valid, keys, no_key)
+    return tl.where(rank > NO_RANK, keys, no_key)
+
+
+@triton.jit
+def _block_scores(row_ptrs, n0, nb, BLOCK_N: tl.constexpr):
+    """[ROWS, BLOCK_N] fp32 scores of blocks ``n0 + [0, BLOCK_N)`` (0 where not visible) and the block ids."""
+    blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=blocks[None, :] < nb[:, None], other=0.0)
+    return s, blocks
+
+
+@triton.jit
+def _select_loaded(
+    row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """:func:`_select` over the first ``BLOCK_N`` scores of each row, loaded here."""
+    s, blocks = _block_scores(row_ptrs, 0, nb, BLOCK_N)
+    _select(s, blocks, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK)
 
 
 @triton.jit
 def _block_keys(row_ptrs, n0, nb, init_blocks, local_blocks, BLOCK_N: tl.constexpr):
     """[ROWS, BLOCK_N] int64 keys of blocks ``n0 + [0, BLOCK_N)`` (the lowest key where not visible)."""
-    blocks = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    s = tl.load(row_ptrs[:, None] + blocks[None, :], mask=blocks[None, :] < nb[:, None], other=0.0)
+    s, blocks = _block_scores(row_ptrs, n0, nb, BLOCK_N)
     return _score_keys(s, blocks, nb, init_blocks, local_blocks)
 
 
 @triton.jit
-def _select(keys, out_ptrs, row_ok, TOPK: tl.constexpr, ROWS: tl.constexpr):
-    """``TOPK`` rounds of "largest key left" over keys held in registers."""
-    NO_KEY = tl.full([ROWS], -2147483648, tl.int64) * 4294967296  # below every real key
+def _select(s, blocks, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK: tl.constexpr):
+    """``TOPK`` rounds of "largest (rank, -block) left" over scores ``s`` [ROWS, BLOCK_N] held in registers.
+
+    A round is two int32 reductions, the highest rank and then the lowest block holding it, rather than one
+    int64 reduction of packed keys: a warp reduces 32-bit integers in one ``redux.sync`` on sm_80+, 64-bit
+    ones in five rounds of two shuffles (one-row decode programs are this latency chain, 16 rounds long).
+    """
+    ranks = _score_ranks(s, blocks, nb, init_blocks, local_blocks)
     for slot in range(TOPK):
-        best = tl.max(keys, axis=1)
-        ids = tl.where(best > NO_KEY, 2147483647 - (best & 0xFFFFFFFF), -1)
-        tl.store(out_ptrs + slot, ids.to(tl.int32), mask=row_ok)
-        keys = tl.where(keys == best[:, None], NO_KEY[:, None], keys)
+        best = tl.max(ranks, axis=1)  # [ROWS]
+        block = tl.min(tl.where(ranks == best[:, None], blocks[None, :], 2147483647), axis=1)
+        tl.store(out_ptrs + slot, tl.where(best > NO_RANK, block, -1), mask=row_ok)
+        ranks = tl.where(blocks[None, :] == block[:, None], NO_RANK, ranks)
 
 
 @triton.jit
@@ -484,7 +540,8 @@ def _index_topk_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SHORT_N: tl.constexpr,  # <= BLOCK_N: the register tile of programs whose rows see at most SHORT_N blocks
-    PRELOAD: tl.constexpr,  # load the first BLOCK_N scores before the row's length is known (decode rows)
+    PRELOAD: tl.constexpr,  # decode rows: guessed requests, the first BLOCK_N scores loaded in one go
+    PDL: tl.constexpr,  # a programmatic dependent launch after the score kernel: metadata first, then the wait
 ):
     stride_st = score_row_units * 16
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] row = head * total_q + token
@@ -493,37 +550,61 @@ def _index_topk_kernel(
     head = rows // total_q
     token = rows % total_q
     row_ptrs = score_ptr + rows.to(tl.int64) * stride_st  # [ROWS]
-    if PRELOAD:
+    blocks = tl.arange(0, BLOCK_N)
+    if PRELOAD and not PDL:
         # in the same round as the request's metadata (the scores past the row's length are in the buffer and
         # masked below): one dependent round less before the selection
-        blocks = tl.arange(0, BLOCK_N)
         pre = tl.load(
             row_ptrs[:, None] + blocks[None, :], mask=row_ok[:, None] & (blocks < max_blocks)[None, :], other=0.0
         )
-    lo = find_requests(cu_seqlens_ptr, num_reqs, token)  # the token's request
-    has_req = row_ok & (lo < num_reqs)
-    q_start = tl.load(cu_seqlens_ptr + lo, mask=has_req, other=0)
-    q_end = tl.load(cu_seqlens_ptr + lo + 1, mask=has_req, other=0)
-    seq_len = tl.load(seq_lens_ptr + lo, mask=has_req, other=0)
+    if PRELOAD:
+        # decode rows: token t is request t; its metadata loads in one round, the search runs only on a miss
+        req = tl.minimum(token, num_reqs - 1)
+        has_req = row_ok & (req >= 0)
+        q_start = tl.load(cu_seqlens_ptr + req, mask=has_req, other=0)
+        q_end = tl.load(cu_seqlens_ptr + req + 1, mask=has_req, other=0)
+        seq_len = tl.load(seq_lens_ptr + req, mask=has_req, other=0)
+        miss = has_req & ((token < q_start) | (token >= q_end))
+        if tl.max(miss.to(tl.int32), axis=0) > 0:
+            req, has_req, q_start, q_end, seq_len = _request_of(cu_seqlens_ptr, seq_lens_ptr, num_reqs, token, row_ok)
+    else:
+        req, has_req, q_start, q_end, seq_len = _request_of(cu_seqlens_ptr, seq_lens_ptr, num_reqs, token, row_ok)
     in_req = has_req & (token >= q_start) & (token < q_end)
     pos = seq_len - (q_end - q_start) + (token - q_start)
     nb = tl.where(in_req & (pos >= 0), pos // PAGE + 1, 0)
     nb = tl.minimum(nb, max_blocks)  # [ROWS] nb(p)
     out_ptrs = out_ptr + head.to(tl.int64) * stride_oh + token.to(tl.int64) * stride_ot
     scan_end = tl.max(nb, axis=0)
-    # the row's keys stay in registers, in the narrower tile where the program's rows fit it (a selection
+    if PDL:
+        # the scores come from the previous grid (the score kernel); the metadata above did not
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        if PRELOAD:
+            pre = tl.load(row_ptrs[:, None] + blocks[None, :], mask=blocks[None, :] < nb[:, None], other=0.0)
+    # the row's scores stay in registers, in the narrower tile where the program's rows fit it (a selection
     # round costs in proportion to the tile: causal prefill rows see few blocks)
     if PRELOAD:
         if scan_end <= BLOCK_N:
-            _select(_score_keys(pre, blocks, nb, init_blocks, local_blocks), out_ptrs, row_ok, TOPK, ROWS)
+            _select(pre, blocks, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK)
         else:
             _select_long(row_ptrs, nb, scan_end, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
     elif scan_end <= SHORT_N:
-        _select(_block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, SHORT_N), out_ptrs, row_ok, TOPK, ROWS)
+        _select_loaded(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, SHORT_N)
     elif scan_end <= BLOCK_N:
-        _select(_block_keys(row_ptrs, 0, nb, init_blocks, local_blocks, BLOCK_N), out_ptrs, row_ok, TOPK, ROWS)
+        _select_loaded(row_ptrs, nb, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, BLOCK_N)
     else:
         _select_long(row_ptrs, nb, scan_end, init_blocks, local_blocks, out_ptrs, row_ok, TOPK, ROWS, BLOCK_N)
+
+
+@triton.jit
+def _request_of(cu_seqlens_ptr, seq_lens_ptr, num_reqs, token, row_ok):
+    """The request of each token by binary search, and its metadata."""
+    req = find_requests(cu_seqlens_ptr, num_reqs, token)
+    has_req = row_ok & (req < num_reqs)
+    q_start = tl.load(cu_seqlens_ptr + req, mask=has_req, other=0)
+    q_end = tl.load(cu_seqlens_ptr + req + 1, mask=has_req, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=has_req, other=0)
+    return req, has_req, q_start, q_end, seq_len
 
 
 def _read_mode(t: torch.Tensor, fp32_dot: bool) -> tuple[torch.Tensor, int]:
@@ -571,6 +652,10 @@ def index_topk(
     else:
         k_arg, k_mode = _read_mode(index_k_cache, fp32_dot)
     block_t = schedule.block_t
+    # both kernels as programmatic dependent launches (eager sm_90+): each grid starts while the previous one
+    # finishes, the top-k grid reading its metadata meanwhile
+    pdl = use_pdl(device)
+    pdl_option = {"launch_pdl": True} if pdl else {}
     # tile = token for BLOCK_T 1; otherwise tiles never straddle requests, and
     # sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs bounds the grid by shapes alone
     # (surplus programs exit at once)
@@ -595,6 +680,7 @@ def index_topk(
         block_table.stride(0),
         block_table.stride(1),
         score_row // 16,
+        max_blocks,
         HIDX=num_heads,
         DIDX=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -608,8 +694,10 @@ def index_topk(
         SPLIT_NAN_MAX=interpreting(),
         Q_FP16=schedule.fp16_q and k_format is not None and index_q.dtype in (torch.bfloat16, torch.float16),
         **fp8.constexprs(),
+        PDL=pdl,
         num_warps=schedule.score_warps,
         num_stages=schedule.score_stages,
+        **pdl_option,
     )
     out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
     launch(
@@ -633,6 +721,8 @@ def index_topk(
         BLOCK_N=schedule.topk_block_n,
         SHORT_N=min(schedule.topk_short_n, schedule.topk_block_n),
         PRELOAD=schedule.topk_rows == 1,
+        PDL=pdl,
         num_warps=schedule.topk_warps,
+        **pdl_option,
     )
     return out

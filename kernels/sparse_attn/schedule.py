@@ -8,14 +8,12 @@ live beside their launchers; they are shape functions too.  Measurements behind 
 """
 
 import functools
-import os
 
 import torch
 import triton
 
 from mm3_compile import platform
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
-from mm3_compile.kernels._launch import launches_traced
 from mm3_compile.platform import FP8Format
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16 rows
@@ -86,16 +84,3 @@ def kernel_options(
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index) if vendor == "nvidia" else None
     return launch_options(vendor, sms, block_m, prefill, fp8_decode, bf16_decode_programs)
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch for eager decode on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
-    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
-    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
-    argument."""
-    if platform.interpreting() or device.type != "cuda" or launches_traced():
-        return False
-    if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
-from mm3_compile.kernels._launch import launch, size_hint
+from mm3_compile.kernels._launch import launch, size_hint, use_pdl
 from mm3_compile.kernels.fp8 import fp8_launch
 from mm3_compile.kernels.sparse_attn import schedule
 from mm3_compile.kernels.sparse_attn.jit import (
@@ -455,7 +455,7 @@ def launch_sparse_attn(
     decode_tile = cu_seqlens_q is None and block_q == 1
     bf16_decode = fmt is None and decode_tile
     # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
-    pdl = cu_seqlens_q is None and schedule.use_pdl(q.device)
+    pdl = cu_seqlens_q is None and use_pdl(q.device)
     extra = dict(launch_pdl=True) if pdl else {}
     launch(
         sparse_attn_fwd_kernel,

@@ -135,20 +135,20 @@ def test_decode_never_splits_on_rocm(monkeypatch):
 def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
     """Programmatic dependent launch: never under the interpreter or on the CPU, never for launches traced
     into a graph (Inductor's user-kernel launcher has no ``launch_pdl``), off with ``MM3_PDL=0``."""
-    from mm3_compile.kernels._launch import traced_launches
+    from mm3_compile.kernels._launch import traced_launches, use_pdl
 
-    assert not attn_schedule.use_pdl(torch.device("cpu"))
+    assert not use_pdl(torch.device("cpu"))
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "nvidia")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     cuda = torch.device("cuda", 0)
-    assert attn_schedule.use_pdl(cuda)
+    assert use_pdl(cuda)
     with traced_launches():
-        assert not attn_schedule.use_pdl(cuda)
+        assert not use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "0")
-    assert not attn_schedule.use_pdl(cuda)
+    assert not use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "1")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    assert not attn_schedule.use_pdl(cuda)
+    assert not use_pdl(cuda)
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
-    assert not attn_schedule.use_pdl(cuda)
+    assert not use_pdl(cuda)
