@@ -11,11 +11,12 @@ that never move, and everything that varies must be a value inside them:
 * **Static buffers** (allocated once, for the largest bucket; a bucket's metadata are views of their
   first rows): ``input_ids``, ``positions``, ``slot_mapping`` (int64) and ``seq_lens``,
   ``cu_seqlens_q``, ``block_table`` (int32).  Each step the host writes the new values (from
-  :class:`~mm3_compile.models.runtime.PagedKVRuntime`'s bookkeeping) into a pinned mirror and
-  copies them in place with non-blocking copies: no device tensor
-  is created per step and the host never waits for the device (it waits, through an event, only
-  for the previous step's metadata copy to have left the pinned mirror before overwriting it, a
-  copy that ran before the previous replay).  The KV and index caches are the runtime's own
+  :class:`~mm3_compile.models.runtime.PagedKVRuntime`'s bookkeeping) into a pinned mirror; the
+  copies into the device buffers are nodes of each captured graph (six host copy calls per step were
+  most of a single-request step's host time), so a step is numpy writes and one replay.  No device
+  tensor is created per step and the host never waits for the device (it waits, through an external
+  event that the graph records after its copies, only for the previous step's copies to have left the
+  pinned mirror before overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV and index caches are the runtime's own
   tensors (fixed addresses; reallocating them invalidates the graphs).  The top-k block lists are
   intermediate buffers of the graph, rewritten by every replay; the outputs returned by
   :meth:`GraphedDecode.step` are views of the graph's static outputs, overwritten by the next
@@ -91,8 +92,11 @@ class StaticDecodeBuffers:
         shapes["cu_seqlens_q"], shapes["block_table"] = (max_batch + 1,), (max_batch, max_blocks)
         pin = device.type == "cuda"
         self.host = {n: torch.zeros(shapes[n], dtype=dt, pin_memory=pin) for n, dt in self.FIELDS.items()}
+        # one token per row, padding rows included: every bucket's offsets are a prefix of the same range
+        self.host["cu_seqlens_q"].copy_(torch.arange(max_batch + 1, dtype=torch.int32))
         self.dev = {n: torch.zeros(shapes[n], dtype=dt, device=device) for n, dt in self.FIELDS.items()}
-        self._copied = torch.cuda.Event() if pin else None
+        self.dev["cu_seqlens_q"].copy_(self.host["cu_seqlens_q"])  # constant: never uploaded again
+        self._copied = torch.cuda.Event(external=True) if pin else None  # recorded after every upload
         self._views: dict[int, tuple[torch.Tensor, AttentionMetadata]] = {}
         self._host_views: dict[int, dict[str, np.ndarray]] = {}  # numpy views of the pinned mirror per bucket
 
@@ -121,43 +125,65 @@ class StaticDecodeBuffers:
         block_tables: Sequence[Sequence[int]],
     ) -> None:
         """One decode token per request: request r's values (``seq_lens[r]`` includes the new token,
-        ``block_tables[r]`` its pages), rows past them padding; copied in place, without waiting for the device."""
+        ``block_tables[r]`` its pages), rows past them padding; :meth:`stage` then :meth:`upload`."""
+        self.stage(bucket, input_ids, seq_lens, block_tables)
+        self.upload(bucket)
+
+    def stage(
+        self,
+        bucket: int,
+        input_ids: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> None:
+        """The values of :meth:`write` into the pinned host mirror only (a captured graph uploads them itself)."""
         batch = len(seq_lens)
         # numpy on views of the pinned mirror, a few vectorised writes: this host work precedes every replay
         # (per-request torch calls made it the replayed step's bottleneck: bench/NOTES.md)
         counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        lens = np.fromiter(seq_lens, dtype=np.int64, count=batch)
         if len(block_tables) != batch or (batch and int(counts.max()) > self.max_blocks):
             raise ValueError(
                 f"block_tables: expected {batch} rows (one per seq_len) of at most {self.max_blocks} pages, "
                 f"got {len(block_tables)} rows of up to {int(counts.max()) if batch else 0}"
             )
+        if batch and (counts * PAGE_SIZE < lens).any():
+            r = int(np.argmax(counts * PAGE_SIZE < lens))
+            raise ValueError(
+                f"block_tables: request {r} has {int(counts[r])} pages for seq_len {int(lens[r])} "
+                f"(needs {-(-int(lens[r]) // PAGE_SIZE)})"
+            )
         if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the pinned mirror
-        if bucket not in self._host_views:
-            self._host_views[bucket] = {
+            self._copied.synchronize()  # the last upload has left the pinned mirror
+        h = self._host_views.get(bucket)
+        if h is None:
+            h = self._host_views[bucket] = {
                 n: t[: bucket + 1 if n == "cu_seqlens_q" else bucket].numpy() for n, t in self.host.items()
             }
-        h = self._host_views[bucket]
-        lens = np.fromiter(seq_lens, dtype=np.int64, count=batch)
         pos = lens - 1  # the new token's position
-        for a in h.values():
-            a.fill(0)
         ids = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, dtype=np.int64)
-        h["input_ids"][:batch] = ids
-        h["seq_lens"][:batch] = lens
-        h["positions"][:batch] = pos
-        h["cu_seqlens_q"][:] = np.arange(bucket + 1)  # one token per row, padding included
+        # the new token's page, straight from the rows (no fancy index into the table)
+        pages = np.fromiter((t[p // PAGE_SIZE] for t, p in zip(block_tables, pos.tolist())), np.int64, batch)
+        for name, values in (("input_ids", ids), ("seq_lens", lens), ("positions", pos)):
+            h[name][:batch] = values
+            h[name][batch:] = 0
+        slots = h["slot_mapping"]
+        slots[:batch] = pages * PAGE_SIZE + pos % PAGE_SIZE
+        slots[batch:] = -1  # padding rows write nothing
         table = h["block_table"]
-        write_block_table(table, block_tables)
-        h["slot_mapping"].fill(-1)  # padding rows write nothing
-        pages = table[np.arange(batch), pos // PAGE_SIZE].astype(np.int64)
-        h["slot_mapping"][:batch] = pages * PAGE_SIZE + pos % PAGE_SIZE
+        table.fill(0)
+        write_block_table(table, block_tables, counts)
+
+    def upload(self, bucket: int) -> None:
+        """Copy the bucket's rows of the host mirror into the device buffers (non-blocking; captured into a
+        graph, the copies run at each replay)."""
         views = self.views(bucket)
         for name, t in self.host.items():
-            dst = views[0] if name == "input_ids" else getattr(views[1], name)
-            dst.copy_(t[: dst.shape[0]], non_blocking=True)
+            if name != "cu_seqlens_q":
+                dst = views[0] if name == "input_ids" else getattr(views[1], name)
+                dst.copy_(t[: dst.shape[0]], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record()  # external: inside a capture, a node that each replay records
 
 
 class GraphedDecode:
@@ -223,6 +249,8 @@ class GraphedDecode:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
+                # the metadata copies are graph nodes: a step's host work is the mirror's values and one replay
+                self.buffers.upload(bucket)
                 outputs = self._run(bucket)
             self._pool = graph.pool()
             self.graphs[bucket] = (graph, outputs)
@@ -240,14 +268,16 @@ class GraphedDecode:
         if isinstance(input_ids, torch.Tensor) and input_ids.device.type != "cpu":
             raise ValueError(f"input_ids: expected host values (a list or CPU tensor), got a {input_ids.device} tensor")
         self.runtime.advance([1] * batch)
-        self.buffers.write(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
         if self.use_graphs:
             if bucket not in self.graphs:
                 self.capture([bucket])
-                self.buffers.write(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
+            self.buffers.stage(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
             graph, outputs = self.graphs[bucket]
-            graph.replay()
+            graph.replay()  # uploads the staged values first
         else:
+            self.buffers.write(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
             outputs = self._run(bucket)
+        if batch == bucket:  # no padding rows: the outputs as they are (each slice is host time of the step)
+            return outputs
         logits, hiddens, topk = outputs
         return logits[:batch], tuple(h[:batch] for h in hiddens), tuple(t[:, :batch] for t in topk)

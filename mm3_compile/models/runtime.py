@@ -23,13 +23,17 @@ from mm3_compile.models.attention import AttentionMetadata, check_uniform_decode
 from mm3_compile.models.model import MiniMaxM3ForCausalLM
 
 
-def write_block_table(table: np.ndarray, block_tables: Sequence[Sequence[int]]) -> None:
-    """Row r of ``table`` ([R, max_blocks], zeros past each row's pages) = ``block_tables[r]``, in one scatter:
-    host work that precedes every decode step, where per-row torch calls were the step's bottleneck."""
-    counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    rows = np.repeat(np.arange(len(block_tables)), counts)
-    cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    table[rows, cols] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=rows.size)
+def write_block_table(
+    table: np.ndarray, block_tables: Sequence[Sequence[int]], counts: np.ndarray | None = None
+) -> None:
+    """Rows ``0 .. R-1`` of ``table`` ([>= R, max_blocks], zero past each row's pages on entry) take
+    ``block_tables[r]``, in one masked write: host work that precedes every decode step, where per-row torch
+    calls were the step's bottleneck.  ``counts``: the rows' lengths, where the caller has them already."""
+    rows = len(block_tables)
+    if counts is None:
+        counts = np.fromiter(map(len, block_tables), dtype=np.int64, count=rows)
+    filled = np.arange(table.shape[1]) < counts[:, None]  # row-major, like the chained rows
+    table[:rows][filled] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=table.dtype)
 
 
 class PagedKVRuntime:

@@ -49,6 +49,8 @@ def test_static_buffers_hold_the_runtime_metadata_with_padding_rows():
         buffers.write(2, [1], seq_lens=[130], block_tables=[[3, 9, 1, 2]])
     with pytest.raises(ValueError, match="block_tables: expected 2 rows"):
         buffers.write(2, [1, 2], seq_lens=[130, 3], block_tables=[[3, 9]])
+    with pytest.raises(ValueError, match=r"block_tables: request 1 has 1 pages for seq_len 130 \(needs 2\)"):
+        buffers.write(2, [1, 2], seq_lens=[5, 130], block_tables=[[3], [9]])
 
 
 def _prefilled(config, state, model, device):
