@@ -353,6 +353,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str, str]]:
         expected=[(s, "-") for s in QUANT_TARGET_SHAPES],
         family="quant",
     )
+    _indexer_targets(rows, verdict)
     _moe_targets(rows, verdict)
     layer_rows = _ok_rows(rows, family="layer")
     layer = {r["provider"]: r for r in layer_rows if " B1 " not in r["shape"]}
@@ -396,6 +397,50 @@ def _time_limits(verdict, limits: dict, picked_for, name: str, unit: str, family
 LAYER_GRAPH_MS = {32: 2.0, 1: 0.35}  # m3-1layer decode step after 2048-token prompts, compiled + CUDA graph
 MOE_DECODE_US = {1: 140.0, 32: 1400.0, 128: 2100.0}  # compiled MoE block, graph replay
 MOE_PREFILL_PCT = 55.0  # of the bf16 matmul ceiling at 8192 tokens
+
+
+INDEXER_DECODE_PCT = 85.0  # of copy on the index-K bytes: bf16 index cache, B >= 32, graph replay
+INDEXER_LIMITS_US = {  # (shape, kv) -> at most this many µs (decode: graph replay; prefill: any mode)
+    ("TP1 decode B1 s32768", "-"): 10.0,
+    ("TP1 decode B32 s32768 fp8 index-K", "fp8"): 45.0,
+    ("TP1 prefill 1x8192", "-"): 130.0,
+    ("TP1 prefill 4x2048 +16k prefix", "-"): 415.0,
+}
+
+
+def _indexer_targets(rows, verdict) -> None:
+    """``mm3::index_topk``: decode at the copy ceiling from 32 requests up, and time limits per shape."""
+    from types import SimpleNamespace
+
+    from bench import indexer
+
+    full = [
+        (c.shape, "fp8" if c.index_dtype == "fp8" else "-")
+        for c in indexer.cases(SimpleNamespace(cuda=True, quick=False))
+    ]
+    ours = _ok_rows(rows, family="indexer", provider=OURS)
+    decode = [r for r in ours if r["mode"] == "graph" and " decode " in r["shape"]]
+    big = [(s, kv) for s, kv in full if " decode " in s and kv == "-" and _batch(s) >= 32]
+    verdict(
+        "indexer decode bf16 index-K, B>=32 (graph)",
+        f">= {INDEXER_DECODE_PCT:g}% of copy on the index-K bytes",
+        _best_per_shape([r for r in decode if (r["shape"], r["kv_dtype"]) in big]),
+        lambda r: r["pct_of_ceiling"] or 0,
+        lambda r: (r["pct_of_ceiling"] or 0) >= INDEXER_DECODE_PCT,
+        expected=big,
+        family="indexer",
+    )
+    for (shape, kv), limit in INDEXER_LIMITS_US.items():
+        candidates = decode if " decode " in shape else ours
+        verdict(
+            f"indexer {shape}" + (" (graph)" if " decode " in shape else ""),
+            f"<= {limit:g} us",
+            _best_per_shape([r for r in candidates if r["shape"] == shape and r["kv_dtype"] == kv]),
+            lambda r: -r["us"],
+            lambda r, limit=limit: r["us"] <= limit,
+            expected=[(shape, kv)],
+            family="indexer",
+        )
 
 
 def _moe_tokens(shape: str) -> int:

@@ -215,3 +215,25 @@ def test_attended_keys_count_a_repeated_block_once():
     block 1 all 128; block 7 lies past p // 128)."""
     ids = torch.tensor([[[3, 3, 1, -1, 7]]], dtype=torch.int32)
     assert bench_inputs.attended_keys(ids, torch.tensor([394]), torch.tensor([395])).tolist() == [[11 + 128]]
+
+
+def test_indexer_targets_judge_every_shape_and_limit():
+    shapes = [("TP1 decode B32 s32768", 90.0), ("TP8 decode B32 s32768", 88.0), ("TP1 decode B128 s32768", 99.0)]
+    rows = [_row(family="indexer", shape=s, kv_dtype="-", pct_of_ceiling=pct) for s, pct in shapes]
+    rows += [
+        _row(family="indexer", shape="TP1 decode B1 s32768", kv_dtype="-", ms=0.008, us=8.0),
+        _row(family="indexer", shape="TP1 decode B32 s32768 fp8 index-K", kv_dtype="fp8", ms=0.046, us=46.0),
+        _row(family="indexer", shape="TP1 prefill 1x8192", kv_dtype="-", mode="launched", ms=0.12, us=120.0),
+    ]
+    results = {name: status for name, _, _, status in report.targets(rows)}
+    assert results["indexer decode bf16 index-K, B>=32 (graph)"] == "PASS"
+    assert results["indexer TP1 decode B1 s32768 (graph)"] == "PASS"
+    assert results["indexer TP1 decode B32 s32768 fp8 index-K (graph)"] == "FAIL"  # 46 us > 45
+    assert results["indexer TP1 prefill 1x8192"] == "PASS"
+    assert results["indexer TP1 prefill 4x2048 +16k prefix"] == "MISSING"
+    # a launched decode row does not stand in for graph replay, and one shape short of 85% fails the target
+    rows[1]["pct_of_ceiling"] = 80.0
+    rows[3]["mode"] = "launched"
+    results = {name: status for name, _, _, status in report.targets(rows)}
+    assert results["indexer decode bf16 index-K, B>=32 (graph)"] == "FAIL"
+    assert results["indexer TP1 decode B1 s32768 (graph)"] == "MISSING"
