@@ -17,13 +17,13 @@ the device, shared by the launcher and the tests.
    per-slot key scale when one is given (FP8 caches).
 2. ``_index_topk_kernel``, grid ``cdiv(Hidx * total_q, ROWS_T)``: each (head, token) row finds its
    request by binary search, takes its ``nb(p) = p // 128 + 1`` visible scores and selects ``topk``
-   by rounds of "largest remaining key".  A key packs an int32 rank above ``2^31 - 1 - block``
-   into an int64: the rank is the order-preserving integer image of the score (NaN -> -1e30,
-   -0 -> +0), or, for forced blocks, a value above the image of +inf (init blocks above local
-   ones; a block that is both counts as local).  Keys are distinct, so the order is total and the
-   output deterministic: forced blocks first whatever the scores, then descending score, ties to
-   the lower block id.  Rows of up to ``BLOCK_N`` visible blocks hold their keys in registers; longer
-   rows rescan their scores once per slot.  Slots past ``min(topk, nb)`` get -1.
+   by rounds of "largest remaining (rank, -block)".  The rank is the order-preserving int32 image of the
+   score (NaN -> -1e30, -0 -> +0), or, for forced blocks, a value above the image of +inf (init blocks
+   above local ones; a block that is both counts as local).  The order is total and the output
+   deterministic: forced blocks first whatever the scores, then descending score, ties to the lower
+   block id.  Rows of up to ``BLOCK_N`` visible blocks hold their ranks in registers (a round: the
+   highest rank, then the lowest block holding it); longer rows rescan their scores once per slot as
+   int64 keys ``rank * 2^32 + 2^31 - 1 - block``.  Slots past ``min(topk, nb)`` get -1.
 
 The score buffer ``[Hidx, total_q, max_blocks]`` fp32 (rows padded to 16) is only written (and read)
 for visible blocks.  Positions use ``p = seq_len - q_len + i``; rows with ``p < 0`` (padding requests
