@@ -12,6 +12,7 @@ and synccheck::
     python3 scripts/sanitize_calls.py            # every call
     python3 scripts/sanitize_calls.py --merge    # the split-decode merge calls only
     python3 scripts/sanitize_calls.py --list
+    python3 scripts/sanitize_calls.py --only index_topk   # the calls whose name contains the text
 """
 
 import argparse
@@ -150,6 +151,16 @@ def _():
     torch.ops.mm3.index_topk(q, cache8, table, cu, seq, 16, 0, 1, "fp8", scale)
 
 
+@call("index_topk: decode rows whose request guess misses (empty requests), a grid as wide as the table")
+def _():
+    # token t is not request t past the empty request: the score and top-k programs fall back to the search;
+    # the table is narrower than the chunk grid, so each chunk's page id is read ahead with the guess
+    args = _index_args([700, 0, 300, 1000], [1, 0, 1, 1], heads=4, dim=128)
+    torch.ops.mm3.index_topk(*args, 16, 0, 1)
+    args[4][0] = 5000  # a seq_len past the table's blocks: the kernels stop at the table's width
+    torch.ops.mm3.index_topk(*args, 16, 1, 1)
+
+
 @call("index_topk: long context (64k tokens), many tokens")
 def _():
     torch.ops.mm3.index_topk(*_index_args([65536, 300], [1, 300], heads=4, dim=128), 64, 1, 1)
@@ -260,8 +271,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--merge", action="store_true", help="only the split-decode merge calls")
     parser.add_argument("--list", action="store_true", help="list the calls and exit")
+    parser.add_argument("--only", default="", help="only the calls whose name contains this text")
     args = parser.parse_args()
-    selected = [(n, fn) for n, merge, fn in CALLS if merge or not args.merge]
+    selected = [(n, fn) for n, merge, fn in CALLS if (merge or not args.merge) and args.only in n]
     if args.list:
         print("\n".join(n for n, _ in selected))
         return 0

@@ -363,7 +363,7 @@ def test_every_schedule_same_lists(schedule, device):
     ],
 )
 @pytest.mark.parametrize("block_n", [16, 32])  # 18 blocks: past the preloaded tile (rescans) or within it
-@pytest.mark.parametrize("chunks", [2, 32])  # 32 >= the table's 19 blocks: one block per chunk, its page read ahead
+@pytest.mark.parametrize("chunks", [2, 19])  # 19: the table is 19 blocks wide, one block per chunk, its page read ahead
 def test_decode_rows_same_lists(requests, block_n, chunks, device):
     """One-token tiles and one-row top-k programs (the decode schedule: guessed requests, preloaded scores, and
     with a grid as wide as the table each chunk's page loaded with the guessed request's metadata)."""
