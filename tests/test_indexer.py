@@ -261,6 +261,37 @@ def test_gpu_large(integer, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("requests", [[(1, 4000), (1, 300), (1, 2000)], [(40, 2000), (1, 700)]])
+def test_gpu_with_and_without_pdl(requests, device, monkeypatch):
+    """Both kernels launched as programmatic dependent launches (sm_90) give the lists of plain launches:
+    eagerly, each call's q written by the kernel right before it, and replayed in a CUDA graph."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    index_q, *rest = make_inputs(requests, 4, 128, device, seed=5)
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("MM3_PDL", pdl)
+        q = torch.empty_like(index_q)
+        results = []
+        for sign in (1, -1):
+            q.copy_(index_q * sign)  # a copy kernel right before: the score kernel's wait must order it
+            results.append(torch.ops.mm3.index_topk(q, *rest, 16, 0, 1))
+        static_q = index_q.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_q.neg_()
+            graph_out = torch.ops.mm3.index_topk(static_q, *rest, 16, 0, 1)
+        static_q.copy_(index_q)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = results + [graph_out.clone()]
+    for a, b in zip(outs["0"], outs["1"]):
+        assert torch.equal(a, b)
+    cpu_rest = [t.cpu() for t in rest]
+    assert torch.equal(outs["1"][-1].cpu(), index_topk_ref(-index_q.cpu(), *cpu_rest, 16, 0, 1))
+
+
+@pytest.mark.gpu
 def test_gpu_launcher_traces_symbolically(device):
     """The launcher is make_fx-traceable with symbolic shapes (no host syncs, no data-dependent Python)."""
     from torch.fx.experimental.proxy_tensor import make_fx
