@@ -16,8 +16,9 @@ that never move, and everything that varies must be a value inside them:
   most of a single-request step's host time), so a step is numpy writes and one replay.  No device
   tensor is created per step and the host never waits for the device (it waits, through an external
   event that the graph records after its copies, only for the previous step's copies to have left the
-  pinned mirror before overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV and index caches are the runtime's own
-  tensors (fixed addresses; reallocating them invalidates the graphs).  The top-k block lists are
+  pinned mirror before overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV
+  and index caches are the runtime's own tensors (fixed addresses; reallocating them invalidates the
+  graphs).  The top-k block lists are
   intermediate buffers of the graph, rewritten by every replay; the outputs returned by
   :meth:`GraphedDecode.step` are views of the graph's static outputs, overwritten by the next
   replay (copy what you keep).
