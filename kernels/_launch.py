@@ -1,6 +1,7 @@
 """How every launcher starts a kernel: through ``wrap_triton`` so AOTAutograd can trace it."""
 
 import contextlib
+import functools
 import os
 import threading
 import types
@@ -46,6 +47,12 @@ def _language_patched_once():
     finally:
         interpreter._patch_lang = patch
         scope.restore()
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors (compute units on ROCm) of a CUDA device: schedules size their grids by it."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

@@ -35,14 +35,13 @@ loaded as its 16 bits and widened exactly (Triton 3.9's interpreter mis-converts
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from mm3_compile.contract import PAGE_SIZE
-from mm3_compile.kernels._launch import empty_row_major, launch, size_hint, use_pdl
+from mm3_compile.kernels._launch import empty_row_major, launch, size_hint, sm_count, use_pdl
 from mm3_compile.kernels.fp8 import fp8_decode, fp8_launch
 from mm3_compile.kernels.packed import find_request, find_requests
 from mm3_compile.platform import FP8Format, interpreting
@@ -86,11 +85,6 @@ class IndexSchedule:
         return max(16, triton.next_power_of_2(self.block_t * num_heads))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.device) -> IndexSchedule:
     """The schedule for these shapes on ``device`` (symbolic sizes are read through their hints).
 
@@ -105,7 +99,7 @@ def index_schedule(total_q, num_reqs, num_heads: int, max_blocks, device: torch.
     block_t = min(triton.next_power_of_2(triton.cdiv(tokens, reqs)), full_tile)
     if interpreting() or device.type != "cuda":
         return IndexSchedule(block_t, 1, 4, 1, False, 64, 128, 4)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     tiles = tokens if block_t == 1 else triton.cdiv(tokens, block_t) + reqs
     if block_t == 1:
         # decode: at most one wave of 4 programs per SM, a partly filled second wave costs (B128 bf16: 5 chunks

@@ -7,21 +7,15 @@ live beside their launchers; they are shape functions too.  Measurements behind 
 ``bench/NOTES.md``.
 """
 
-import functools
-
 import torch
 import triton
 
 from mm3_compile import platform
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
+from mm3_compile.kernels._launch import sm_count
 from mm3_compile.platform import FP8Format
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16 rows
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def head_block(G: int, block_q: int) -> int:
