@@ -25,7 +25,7 @@ import mm3_compile
 from mm3_compile import platform
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
-from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule
+from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule, split_k
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.python_process import run_python
 
@@ -68,6 +68,18 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert prefill.SWAP_AB and not decode.SWAP_AB
     assert schedule(32768, 6144, 3072, 128, False, x_mx=True).BLOCK_N == 2 * prefill.BLOCK_N
     assert isinstance(schedule(4, 64, 64, 8, True), GemmConfig)
+    # the one-expert linear splits k until its grid fills 3 programs per SM (132 SMs): qkv and o at one token; never
+    # a grouped GEMM, a prefill-sized linear or a device of unknown size
+    assert schedule(1, 9856, 6144, 1, False, sms=132).SPLIT_K == 3
+    assert schedule(None, 6144, 8192, 1, False, sms=132).SPLIT_K == 5
+    assert schedule(32, 9856, 6144, 1, False, sms=132).SPLIT_K == 2
+    assert schedule(4, 6144, 6144, 128, False, sms=132).SPLIT_K == 1
+    assert schedule(8192, 9856, 6144, 1, False, sms=132).SPLIT_K == 1
+    assert schedule(1, 9856, 6144, 1, False).SPLIT_K == 1
+    for tiles, steps in [(1, 1), (1, 7), (3, 24), (96, 32), (154, 24), (500, 3)]:
+        split = split_k(1, tiles, steps, 132)
+        per = -(-steps // split)
+        assert 1 <= split <= steps and (split - 1) * per < steps  # no empty split
     # the bound: min(pairs, ceil((pairs + E*(BM-1)) / BM))
     assert num_blocks(4, 128, 16) == 4 and num_blocks(32768, 128, 128) == math.ceil((32768 + 128 * 127) / 128)
 
@@ -129,6 +141,35 @@ def test_linear_matches_float64(target):
     assert y.shape == (2, 3, 2 * I) and y.dtype == torch.bfloat16
     assert_bf16_close(y, mxfp8_linear_ref(x.to(torch.bfloat16), v, s))
     torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("x_mx", [False, True])
+def test_split_k_linear_matches_float64(target, x_mx):
+    """``SPLIT_K`` programs along k write fp32 partials that a second kernel adds in split order: the same linear
+    (bf16 x, and the MXFP8 activation of GEMM2) within one bf16 ulp of the float64 reference, 1 and 19 rows, a
+    last split shorter than the others (5 k steps over 3 splits), and deterministic (bit-identical reruns)."""
+    v, s = weights(target, (64, 5 * 32), 40)
+    x = torch.randn(19, 5 * 32)
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+        config = dataclasses.replace(schedule(19, 64, 5 * 32, 1, True), BLOCK_K=32, SPLIT_K=3)
+        for rows in (1, 19):
+            if x_mx:
+                xq, xs = torch.ops.mm3.mxfp8_quantize(x[:rows])
+                ref = mxfp8_linear_ref(mx_dequantize_f64(xq, xs), v, s)
+                args = (xq, xs.view(torch.uint8))
+            else:
+                xb = x[:rows].to(torch.bfloat16)
+                ref, args = mxfp8_linear_ref(xb, v, s), (xb, None)
+            y = gemm_kernels.mxfp8_gemm(*args, v[None], s[None], fmt, config, torch.bfloat16)
+            again = gemm_kernels.mxfp8_gemm(*args, v[None], s[None], fmt, config, torch.bfloat16)
+            assert_bf16_close(y, ref)
+            assert torch.equal(y, again)
+        with pytest.raises(ValueError, match="SPLIT_K 6 leaves a split without k steps"):
+            gemm_kernels.mxfp8_gemm(
+                *args, v[None], s[None], fmt, dataclasses.replace(config, SPLIT_K=6), torch.bfloat16
+            )
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -361,16 +402,20 @@ from mm3_compile.kernels.moe.schedule import schedule
 
 # the decode tile in both operand orders, and the prefill schedule of GEMM2 (MXFP8 x, the widest tile)
 config = schedule(32768, 6144, 3072, 128, False, x_mx=True) if sys.argv[1] == "prefill" else None
-SWAP = sys.argv[1] != "plain"
+SWAP = sys.argv[1] not in ("plain", "split")
+SPLIT = sys.argv[1] == "split"  # the one-token linear: bf16 x, plain rows, fp32 partials over 4 k splits
 fp8 = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True, native_store=NATIVE_E4M3FN)  # sm_90
 consts = dict(
-    GROUPED=True, TOP_K=1, X_MX=True, HAS_WEIGHTS=True, HAS_SHARED=True, ROUND_BF16=True, INT_ROUND=False,
-    BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP,
-    BLOCK_K=config.BLOCK_K if config else 128, DOT_DTYPE=tl.bfloat16, **fp8.constexprs(),
+    GROUPED=not SPLIT, TOP_K=1, X_MX=not SPLIT, HAS_WEIGHTS=not SPLIT, HAS_SHARED=not SPLIT, ROUND_BF16=True,
+    INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32,
+    SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128, SPLIT_K=4 if SPLIT else 1, K_ALIGN=16,
+    DOT_DTYPE=tl.bfloat16,
+    **fp8.constexprs(),
 )
 options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4, num_stages=3)
-pointers = ("*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
-signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 4))
+x_ptr = "*bf16" if SPLIT else "*fp8e4nv"
+pointers = (x_ptr, "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
+signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 5))
 signature.update(dict.fromkeys(consts, "constexpr"))
 constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
 src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
@@ -379,12 +424,12 @@ print("MMA" if "mma" in ptx else "NO-MMA")
 """
 
 
-@pytest.mark.parametrize("operands", ["plain", "swap", "prefill"])
+@pytest.mark.parametrize("operands", ["plain", "swap", "prefill", "split"])
 def test_grouped_kernel_compiles_for_sm90_native_fp8(operands):
     """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
     a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
     ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
-    only): the decode tile in both operand orders and GEMM2's prefill schedule."""
+    only): the decode tile in both operand orders, GEMM2's prefill schedule and the split-k linear."""
     proc = run_python(SM90_COMPILE, operands, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])

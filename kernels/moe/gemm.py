@@ -70,15 +70,17 @@ def _mxfp8_gemm_kernel(
     w_scales_ptr,  # [E, N, K / 32] uint8
     shared_w_ptr,  # [N, K] the shared expert's values, group E (HAS_SHARED)
     shared_w_scales_ptr,  # [N, K / 32] uint8 (HAS_SHARED)
-    out_ptr,  # [P, N]
+    out_ptr,  # [P, N]; [SPLIT_K, P, N] fp32 partial sums when SPLIT_K > 1
     pairs_ptr,  # [NB * BLOCK_M] int32 pair per aligned row, -1 pads (GROUPED)
     block_expert_ptr,  # [NB] int32 expert per row block, -1 = no rows (GROUPED)
     pair_weights_ptr,  # [P] fp32 (HAS_WEIGHTS)
     rows,  # P: output rows
     num_experts,  # E: block_expert entries outside [0, E + HAS_SHARED) have no rows
     n_units,  # N / 16
-    k_blocks,  # K / 32
+    k_units,  # K / (32 * K_ALIGN)
+    split_steps,  # BLOCK_K steps per split (all of K's when SPLIT_K is 1)
     GROUPED: tl.constexpr,
+    K_ALIGN: tl.constexpr,  # the largest power of two <= 16 dividing K / 32: scale rows start that aligned
     TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
     X_MX: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -89,6 +91,7 @@ def _mxfp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # accumulate out^T = W @ x^T (the dequantized weight as the left operand)
+    SPLIT_K: tl.constexpr,  # programs along k (axis 2); > 1: raw fp32 partials, summed by _split_k_sum_kernel
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -97,9 +100,11 @@ def _mxfp8_gemm_kernel(
 ):
     # sizes rebuilt from aligned units: the compiler sees their divisibility under Inductor's launch too
     N = n_units * 16
+    k_blocks = k_units * K_ALIGN
     K = k_blocks * MX
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if GROUPED:
         expert = tl.load(block_expert_ptr + pid_b)
@@ -132,7 +137,9 @@ def _mxfp8_gemm_kernel(
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         NBK: tl.constexpr = BLOCK_K // MX
-        for k0 in range(0, K, BLOCK_K):
+        k_start = pid_k * split_steps * BLOCK_K  # a multiple of BLOCK_K: aligned loads of values and scales
+        k_end = tl.minimum(K, k_start + split_steps * BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kb = k0 // MX + tl.arange(0, NBK)
             k_ok = ks < K
@@ -166,12 +173,43 @@ def _mxfp8_gemm_kernel(
                 acc = tl.dot(xt, tl.trans(w), acc)
         if SWAP_AB:
             acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-        if ROUND_BF16:
-            acc = _round_bf16(acc, INT_ROUND)
-        if HAS_WEIGHTS:
-            acc = acc * tl.load(pair_weights_ptr + out_rows, mask=valid, other=0.0)[:, None]
-        out_ptrs = out_ptr + out_rows[:, None] * N + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+        if SPLIT_K > 1:
+            # the plain row range only (the launcher refuses grouped splits): rows are out_rows
+            part_ptrs = out_ptr + (pid_k * rows + out_rows[:, None]) * N + cols[None, :]
+            tl.store(part_ptrs, acc, mask=valid[:, None] & col_ok[None, :])
+        else:
+            if ROUND_BF16:
+                acc = _round_bf16(acc, INT_ROUND)
+            if HAS_WEIGHTS:
+                acc = acc * tl.load(pair_weights_ptr + out_rows, mask=valid, other=0.0)[:, None]
+            out_ptrs = out_ptr + out_rows[:, None] * N + cols[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    partial_ptr,  # [SPLIT_K, numel] fp32
+    out_ptr,  # [numel]
+    numel,
+    SPLIT_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    INT_ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = the splits' partial sums added in split order (deterministic), rounded like the unsplit epilogue."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    ptrs = partial_ptr + offs
+    acc = tl.load(ptrs, mask=ok, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        ptrs += numel  # a pointer step per split: no split * numel product to overflow int32
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+    if ROUND_BF16:
+        acc = _round_bf16(acc, INT_ROUND)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SPLIT_SUM_BLOCK = 1024
 
 
 def _dot_dtype(x_dtype: torch.dtype):
@@ -214,12 +252,25 @@ def mxfp8_gemm(
     rows = M * top_k
     out = empty_row_major((rows, N), out_dtype, x.device)
     grouped = block_expert is not None
+    split = config.SPLIT_K
+    if split > 1 and (grouped or pair_weights is not None or shared is not None):
+        raise ValueError(f"config: SPLIT_K {split} is for the plain linear (no groups, pair weights or shared weight)")
+    split_steps = triton.cdiv(triton.cdiv(K, config.BLOCK_K), split)
+    if split > 1 and (split - 1) * split_steps * config.BLOCK_K >= K:
+        raise ValueError(f"config: SPLIT_K {split} leaves a split without k steps (K {K}, BLOCK_K {config.BLOCK_K})")
+    target = empty_row_major((split, rows, N), torch.float32, x.device) if split > 1 else out
     nb = block_expert.shape[0] if grouped else triton.cdiv(M, config.BLOCK_M)
+    # Inductor launches without Triton's divisible-by-16 specialisation of ints: the alignment of K / 32 (the
+    # scale rows' stride) travels as a constexpr, or the scale loads of a split at an odd multiple of 8 scale
+    # bytes went byte by byte (2x slower, H200)
+    k_blocks = K // MX_BLOCK_SIZE
+    k_align = min(16, k_blocks & -k_blocks)
     fp8 = fp8_launch(fmt, values)  # an MXFP8 x is read like the weights
     w = fp8.view(values)
     xk = x if x_scales is None else fp8.view(x)
     dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
-    grid = (nb, triton.cdiv(N, config.BLOCK_N))
+    grid = (nb, triton.cdiv(N, config.BLOCK_N), split)
+    round_bf16 = x_scales is not None or out_dtype == torch.bfloat16
     launch(
         _mxfp8_gemm_kernel,
         grid,
@@ -229,24 +280,40 @@ def mxfp8_gemm(
         scales,
         fp8.view(shared[0]) if shared is not None else dummy,
         shared[1] if shared is not None else dummy,
-        out,
+        target,
         sorted_pairs if grouped else dummy,
         block_expert if grouped else dummy,
         pair_weights if pair_weights is not None else dummy,
         rows,
         E,
         _units(N, "N"),
-        K // MX_BLOCK_SIZE,
+        k_blocks // k_align,
+        split_steps,
+        K_ALIGN=k_align,
         GROUPED=grouped,
         TOP_K=top_k,
         X_MX=x_scales is not None,
         HAS_WEIGHTS=pair_weights is not None,
         HAS_SHARED=shared is not None,
-        ROUND_BF16=x_scales is not None or out_dtype == torch.bfloat16,
+        ROUND_BF16=round_bf16,
         INT_ROUND=platform.interpreting(),
         BLOCK_M=config.BLOCK_M,
         DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
         **config.launch_options(),
         **fp8.constexprs(),
     )
+    if split > 1:
+        numel = rows * N
+        launch(
+            _split_k_sum_kernel,
+            (triton.cdiv(numel, SPLIT_SUM_BLOCK),),
+            target,
+            out,
+            numel,
+            SPLIT_K=split,
+            ROUND_BF16=round_bf16,
+            INT_ROUND=platform.interpreting(),
+            BLOCK=SPLIT_SUM_BLOCK,
+            num_warps=4,
+        )
     return out

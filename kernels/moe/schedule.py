@@ -20,12 +20,16 @@ class GemmConfig:
     # out^T = W @ x^T: the weight tile, dequantized in registers, is the dot's left operand, which sm_90's
     # wgmma reads from registers; as the right operand it goes through shared memory every k step
     SWAP_AB: bool = False
+    # programs along k for the one-expert linear (fp32 partials + an ordered sum): a one-token linear has one
+    # row block, too few programs to keep every SM streaming weight bytes
+    SPLIT_K: int = 1
 
     def launch_options(self) -> dict:
         return {
             "BLOCK_N": self.BLOCK_N,
             "BLOCK_K": self.BLOCK_K,
             "SWAP_AB": self.SWAP_AB,
+            "SPLIT_K": self.SPLIT_K,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
@@ -36,7 +40,39 @@ class GemmConfig:
 INTERPRETER = GemmConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=256, num_warps=4, num_stages=1)
 
 
-def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: bool, x_mx: bool = False) -> GemmConfig:
+# One-expert split-k programs an SM holds at once: 3 stages of a 64 x 256 FP8 weight tile, its scales and a 16-row
+# bf16 x tile take ~75 KB of shared memory each
+SPLIT_PROGRAMS_PER_SM = 3
+SPLIT_BLOCK_K = 256
+
+
+def split_k(row_blocks: int, n_tiles: int, k_steps: int, sms: int) -> int:
+    """Programs along k for a one-expert linear: enough that its grid fills every SM's program slots once.
+
+    Each split gets whole ``BLOCK_K`` steps (the same number, the last one fewer) and none is empty.
+
+    Examples:
+        >>> split_k(1, 154, 24, 132)  # the M3 qkv projection at one token: 154 column tiles
+        3
+        >>> split_k(1, 96, 32, 132)  # the o projection: 32 steps as 7, 7, 7, 7, 4
+        5
+    """
+    want = min(k_steps, -(-(SPLIT_PROGRAMS_PER_SM * sms) // (row_blocks * n_tiles)))
+    if want <= 1:
+        return 1
+    steps = -(-k_steps // want)
+    return -(-k_steps // steps)
+
+
+def schedule(
+    rows: int | None,
+    n: int,
+    k: int,
+    num_experts: int,
+    interpreting: bool,
+    x_mx: bool = False,
+    sms: int | None = None,
+) -> GemmConfig:
     """Tiles for ``rows`` (token, expert) pairs through ``num_experts`` weights of ``[n, k]``.
 
     Args:
@@ -46,6 +82,8 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: b
         num_experts: experts sharing the rows (1 for the linear).
         interpreting: the Triton interpreter runs one numpy program at a time: few, large programs.
         x_mx: x is an MXFP8 activation (GEMM2), dequantized in registers like the weight.
+        sms: the device's SM count; the one-expert linear splits k over programs when its column tiles are too
+            few to fill them (None: no split).
 
     Returns:
         A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
@@ -72,6 +110,15 @@ def schedule(rows: int | None, n: int, k: int, num_experts: int, interpreting: b
     # (wider tiles leave too few loads in flight per SM, narrower ones pay their per-step overhead on half
     # the bytes), even where the grid leaves SMs idle: one expert's 96 programs beat 192 of 32 columns 2x
     block_n = min(64, max(16, triton.next_power_of_2(n)))
+    if num_experts == 1 and sms is not None:
+        row_blocks = 1 if rows is None else -(-rows // 16)
+        split = split_k(row_blocks, -(-n // block_n), -(-k // SPLIT_BLOCK_K), sms)
+        if split > 1:
+            # H200, M3 qkv / o at 1 token 31.7 -> 27.3 / 24.2 -> 22.4 us, at 32 tokens 46.9 -> 43.1 / 39.7 -> 37.6 us
+            # (bench/NOTES.md, session 18); 256-wide steps in 3 stages beat 512 and 128 for every split count
+            return GemmConfig(
+                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=SPLIT_BLOCK_K, num_warps=4, num_stages=3, SPLIT_K=split
+            )
     if not x_mx and k % 512 == 0:
         # bf16 x (GEMM1, k 6144): 512-wide k steps in 3 stages streamed 2-3% faster (T1 52.2 -> 50.7 us, T32
         # 711 -> 693 us); for GEMM2 (MXFP8 x, dequantized per step too; k 3072) they were 1.5-1.7x slower

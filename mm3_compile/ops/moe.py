@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from mm3_compile import platform
 from mm3_compile.contract import MX_BLOCK_SIZE
-from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device, size_hint
+from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device, size_hint, sm_count
 from mm3_compile.kernels.moe import align as align_kernels
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.schedule import num_blocks, schedule
@@ -42,7 +42,12 @@ def _contiguous_as(t: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device, x_mx: bool = False):
     """The GEMM tiles for ``rows`` pairs (a size hint under tracing: one config per graph)."""
-    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx)
+    sms = (
+        sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else None
+    )
+    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx, sms)
 
 
 def _check_weight(values: torch.Tensor, scales: torch.Tensor, ndim: int, prefix: str = "") -> None:
