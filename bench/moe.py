@@ -52,7 +52,7 @@ def dequant_grouped_mm(moe, x, w1=None, w2=None):
 
     With ``w1``/``w2`` (``[E, H, 2I]`` / ``[E, I, H]`` bf16, dequantized beforehand) the GEMMs read those instead.
     """
-    from mm3_compile.models.moe import route
+    from mm3_compile.kernels.moe.naive import route_ref as route
     from mm3_compile.models.mxfp8 import mxfp8_dequantize
 
     cfg = moe.config
@@ -88,7 +88,7 @@ def expert_bytes(config) -> int:
 
 
 def distinct_experts(moe, xs) -> float:
-    from mm3_compile.models.moe import route
+    from mm3_compile.kernels.moe.naive import route_ref as route
 
     cfg = moe.config
     counts = []

@@ -25,9 +25,9 @@ from bench.timing import Budget, Timer
 from mm3_compile import platform
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
+from mm3_compile.kernels.moe.naive import route_ref as route
 from mm3_compile.kernels.moe.schedule import GemmConfig
 from mm3_compile.models import MiniMaxM3Config
-from mm3_compile.models.moe import route
 from mm3_compile.ops.moe import gemm_schedule
 
 T0 = time.monotonic()

@@ -51,6 +51,7 @@ def install() -> None:
         ops.indexer.index_topk,
         ops.sparse_attn.sparse_attn_prefill,
         ops.sparse_attn.sparse_attn_decode,
+        ops.moe.moe_route,
         ops.moe.moe_align,
         ops.moe.mxfp8_grouped_gemm,
         ops.moe.mxfp8_linear,

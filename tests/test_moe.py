@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mm3_compile
 from mm3_compile import platform
 from mm3_compile.kernels.moe import gemm as gemm_kernels
-from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
+from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref, route_ref
 from mm3_compile.kernels.moe.schedule import GemmConfig, num_blocks, schedule, split_k
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
 from tests.python_process import run_python
@@ -141,6 +141,26 @@ def test_linear_matches_float64(target):
     assert y.shape == (2, 3, 2 * I) and y.dtype == torch.bfloat16
     assert_bf16_close(y, mxfp8_linear_ref(x.to(torch.bfloat16), v, s))
     torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 70])  # one token; two 64-token programs of the interpreter, the last partial
+def test_route_matches_the_reference(T):
+    """``mm3::moe_route`` against the plain-PyTorch routing: the same experts in the same order (exact), weights
+    within 2 fp32 ulps (measured: the kernel's sigmoid is ``1 / (1 + exp(-x))``, torch's may differ by one ulp);
+    ties go to the lower expert index and a NaN logit is routed first with NaN weights."""
+    g = torch.Generator().manual_seed(T)
+    logits, bias = torch.randn(T, 2 * E, generator=g) * 3, torch.randn(2 * E, generator=g) * 0.1
+    ids, w = torch.ops.mm3.moe_route(logits, bias, 3, 2.5)
+    ref_ids, ref_w = route_ref(logits, bias, 3, 2.5)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=2.5e-7, atol=0)
+    tied = torch.zeros(2, 2 * E)
+    tied[1, 5] = torch.nan
+    ids, w = torch.ops.mm3.moe_route(tied, torch.zeros(2 * E), 3, 1.0)
+    assert ids.tolist() == [[0, 1, 2], [5, 0, 1]] and torch.equal(
+        ids.long(), route_ref(tied, torch.zeros(2 * E), 3, 1.0)[0]
+    )
+    assert torch.allclose(w[0], torch.full((3,), 1 / 3)) and bool(w[1].isnan().all())
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -294,6 +314,7 @@ def test_opcheck():
     x, ids = torch.randn(3, H).to(torch.bfloat16), routes(3, 3)
     pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
     torch.library.opcheck(torch.ops.mm3.moe_align.default, (ids, E, BLOCK_M))
+    torch.library.opcheck(torch.ops.mm3.moe_route.default, (torch.randn(3, E), torch.randn(E), K_TOP, 2.0))
     # typed FP8 weights: opcheck's schema check cannot compare FP8 tensors on the CPU (no mul kernel), the rest runs
     tests = ("test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(
@@ -350,6 +371,10 @@ def test_bad_inputs_name_the_argument(fake):
         ),
         (lambda: torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0].T), ValueError, "scales"),
         (lambda: torch.ops.mm3.mxfp8_linear(x.int(), v1[0], s1[0]), TypeError, "x"),
+        (lambda: torch.ops.mm3.moe_route(x, torch.zeros(H), 2, 1.0), TypeError, "logits"),
+        (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H + 1), 2, 1.0), ValueError, "correction_bias"),
+        (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H), H + 1, 1.0), ValueError, "top_k"),
+        (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H), 2, math.inf), ValueError, "scaling"),
     ]
     for call, error, name in cases:
         if fake:

@@ -34,3 +34,16 @@ def grouped_gemm_ref(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
         sel = (flat == e).nonzero().squeeze(1)
         out[sel] = rows[sel].double() @ mx_dequantize_f64(values[e], scales[e]).T
     return out
+
+
+def route_ref(
+    logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M3 sigmoid routing in fp32 (the model's precision): experts chosen on ``sigmoid(logits) + bias``, weighted
+    by the un-biased sigmoid, renormalised, times ``scaling``. Order: the highest key first, ties by the lower
+    expert index, NaN above every number (a stable descending sort). -> (ids [T, k] int64, weights [T, k] fp32).
+    """
+    scores = logits.float().sigmoid()  # [T, E]
+    ids = torch.sort(scores + correction_bias.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(-1, ids)
+    return ids, weights / weights.sum(-1, keepdim=True) * scaling

@@ -1,4 +1,4 @@
-"""The M3 MoE block: fp32 sigmoid router, routed experts on MXFP8 weights, one shared expert.
+"""The M3 MoE block: fp32 sigmoid router (``mm3::moe_route``), routed experts on MXFP8 weights, one shared expert.
 
 Dispatch is static-shape: ``mm3::moe_align`` groups the ``T * top_k`` (token, expert) pairs by expert on
 device (each group padded to the GEMM row tile), ``mm3::mxfp8_grouped_gemm`` runs both expert GEMMs on the
@@ -19,16 +19,6 @@ from mm3_compile.models import tp as tpmod
 from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.mxfp8 import MXFP8MLP, MXFP8Weight
 from mm3_compile.models.tp import TPInfo
-
-
-def route(
-    logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid routing: experts chosen on ``sigmoid + bias``, weighted by the un-biased sigmoid, renormalised."""
-    scores = logits.sigmoid()  # [T, E] fp32
-    _, ids = torch.topk(scores + correction_bias, top_k, dim=-1)  # [T, k]
-    weights = scores.gather(-1, ids)
-    return ids, weights / weights.sum(-1, keepdim=True) * scaling
 
 
 class RoutedExperts(nn.Module):
@@ -104,7 +94,9 @@ class M3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         logits = F.linear(x.float(), self.gate_weight)  # [T, E] fp32
-        ids, weights = route(logits, self.correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        ids, weights = torch.ops.mm3.moe_route(
+            logits, self.correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        )
         if self.shared is not None and self.experts.can_fold(self.shared):
             out = self.experts(x, ids, weights, self.shared)  # [T, H] fp32, the shared expert included
         else:

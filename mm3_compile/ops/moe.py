@@ -1,4 +1,5 @@
-"""MoE ops on MXFP8 weights: ``mm3::moe_align``, ``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``, ``mm3::moe_experts``.
+"""MoE ops: ``mm3::moe_route`` (the router's top-k) and, on MXFP8 weights, ``mm3::moe_align``,
+``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``, ``mm3::moe_experts``.
 
 Weights are ``values [E, N, K]`` in the platform's MXFP8 value dtype (asked from the dtype authority for the
 input's device, at trace time under torch.compile) + E8M0 scale bytes ``[E, N, K/32]`` (uint8 or
@@ -17,8 +18,9 @@ from mm3_compile.contract import MX_BLOCK_SIZE
 from mm3_compile.kernels._launch import eager_launches, empty_row_major, require_kernel_device, size_hint, sm_count
 from mm3_compile.kernels.moe import align as align_kernels
 from mm3_compile.kernels.moe import gemm as gemm_kernels
+from mm3_compile.kernels.moe import route as route_kernels
 from mm3_compile.kernels.moe.schedule import num_blocks, schedule
-from mm3_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor, values_checked
+from mm3_compile.ops._checks import FLOAT_DTYPES, check_finite, check_same_device, check_tensor, values_checked
 from mm3_compile.platform import E8M0_DTYPE
 
 SCALE_DTYPES = (torch.uint8, E8M0_DTYPE)
@@ -82,6 +84,61 @@ def _check_x(x: torch.Tensor, x_scales: torch.Tensor | None, K: int) -> None:
             )
     if x.shape[1] != K:
         raise ValueError(f"x: expected K = {K} columns (the weights' input width), got shape {tuple(x.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# moe_route
+
+
+def _check_route(logits, correction_bias, top_k, scaling) -> None:
+    check_tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
+    check_tensor("correction_bias", correction_bias, dtypes=(torch.float32,), ndim=1)
+    check_same_device("logits", logits, correction_bias=correction_bias)
+    E = logits.shape[1]
+    if correction_bias.shape[0] != E:
+        raise ValueError(f"correction_bias: expected shape ({E},) (one per expert), got {tuple(correction_bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k: expected 1..{E} (the experts in logits), got {top_k}")
+    check_finite("scaling", scaling)
+
+
+@torch.library.custom_op("mm3::moe_route", mutates_args=())
+def moe_route(
+    logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M3 sigmoid routing in one kernel: the top-k experts of ``sigmoid(logits) + correction_bias`` per token.
+
+    Args:
+        logits: ``[T, E]`` fp32 router logits.
+        correction_bias: ``[E]`` fp32, added for the choice only.
+        top_k: experts per token; scaling: the routed scaling factor.
+
+    Returns:
+        ``ids [T, top_k]`` int32 (highest key first, ties by the lower expert index, a NaN key above every
+        number) and ``weights [T, top_k]`` fp32: the chosen experts' un-biased sigmoids over their sum, times
+        ``scaling`` (a NaN logit makes its token's weights NaN).
+
+    Examples:
+        >>> ids, w = torch.ops.mm3.moe_route(torch.tensor([[0.0, 2.0, 1.0]]), torch.zeros(3), 2, 1.0)
+        >>> ids.tolist()
+        [[1, 2]]
+    """
+    _check_route(logits, correction_bias, top_k, scaling)
+    require_kernel_device("logits", logits)
+    with eager_launches():
+        return route_kernels.moe_route(
+            logits.contiguous(), correction_bias.contiguous(), top_k, scaling, platform.interpreting()
+        )
+
+
+@moe_route.register_fake
+def _(logits, correction_bias, top_k, scaling):
+    _check_route(logits, correction_bias, top_k, scaling)
+    T = logits.shape[0]
+    return (
+        empty_row_major((T, top_k), torch.int32, logits.device),
+        empty_row_major((T, top_k), torch.float32, logits.device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from mm3_compile.models import (
     random_full_state,
     run_demo_workload,
 )
-from mm3_compile.models.moe import route
 from mm3_compile.models.mxfp8 import mxfp8_dequantize
 from mm3_compile.models.reference import (
     ROUTE_SWAP_WINDOW,
@@ -131,7 +130,7 @@ def test_shared_expert_runs_in_the_routed_launches_when_widths_match():
 def test_routing_and_mxfp8_weights_match_reference():
     logits = torch.tensor([[0.0, 2.0, -1.0, 1.0, 3.0]])
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0])
-    ids, weights = route(logits, bias, 2, 2.0)
+    ids, weights = torch.ops.mm3.moe_route(logits, bias, 2, 2.0)
     assert set(ids[0].tolist()) == {2, 4}  # bias pulls expert 2 in, but its weight uses the un-biased score
     s = torch.sigmoid(logits[0, [2, 4]])
     torch.testing.assert_close(weights[0].sort().values, (s / s.sum() * 2.0).sort().values)
@@ -159,7 +158,8 @@ def test_moe_sub_block_check_accepts_only_the_near_tied_swap():
     with torch.no_grad():
         x = model.layers[layer].post_attn_norm(h_mid)
         logits = torch.nn.functional.linear(x.float(), moe.gate_weight)
-        ids, _ = route(logits, moe.correction_bias, k, cfg.routed_scaling_factor)  # [T, k]
+        ids, _ = torch.ops.mm3.moe_route(logits, moe.correction_bias, k, cfg.routed_scaling_factor)  # [T, k]
+        ids = ids.long()
         ranked = (logits.sigmoid() + moe.correction_bias).argsort(-1, descending=True)  # [T, E]
         margin = expected.route_margin[layer]
         token = int(margin.argmin())
