@@ -146,7 +146,8 @@ def test_linear_matches_float64(target):
 @pytest.mark.parametrize("T", [1, 70])  # one token; two 64-token programs of the interpreter, the last partial
 def test_route_matches_the_reference(T):
     """``mm3::moe_route`` against the plain-PyTorch routing: the same experts in the same order (exact), weights
-    within 2 fp32 ulps (measured: the kernel's sigmoid is ``1 / (1 + exp(-x))``, torch's may differ by one ulp);
+    within 2.5e-7 relative (measured 1.9e-7, 1.6 fp32 ulps, over 15 seeded problems of 1-300 tokens: the
+    kernel's sigmoid is ``1 / (1 + exp(-x))``, torch's may differ by an ulp);
     ties go to the lower expert index and a NaN logit is routed first with NaN weights."""
     g = torch.Generator().manual_seed(T)
     logits, bias = torch.randn(T, 2 * E, generator=g) * 3, torch.randn(2 * E, generator=g) * 0.1
