@@ -13,10 +13,13 @@ that never move, and everything that varies must be a value inside them:
   ``cu_seqlens_q``, ``block_table`` (int32).  Each step the host writes the new values (from
   :class:`~mm3_compile.models.runtime.PagedKVRuntime`'s bookkeeping) into a pinned mirror; the
   copies into the device buffers are nodes of each captured graph (six host copy calls per step were
-  most of a single-request step's host time), so a step is numpy writes and one replay.  No device
-  tensor is created per step and the host never waits for the device (it waits, through an external
-  event that the graph records after its copies, only for the previous step's copies to have left the
-  pinned mirror before overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV
+  most of a single-request step's host time), so a step is numpy writes and one replay.  While a
+  step runs on the device, the host stages the next step's metadata (the runtime as it is, one token
+  more per request); that step then writes only its token ids, unless the runtime changed otherwise
+  in between (a new page, other requests: it stages afresh).  No device tensor is created per step
+  and the host never waits for the device's work (it waits, through an external event that the graph
+  records after its copies, only for a replay's copies to have left the pinned mirror before
+  overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV
   and index caches are the runtime's own tensors (fixed addresses; reallocating them invalidates the
   graphs).  The top-k block lists are
   intermediate buffers of the graph, rewritten by every replay; the outputs returned by
@@ -100,6 +103,7 @@ class StaticDecodeBuffers:
         self._copied = torch.cuda.Event(external=True) if pin else None  # recorded after every upload
         self._views: dict[int, tuple[torch.Tensor, AttentionMetadata]] = {}
         self._host_views: dict[int, dict[str, np.ndarray]] = {}  # numpy views of the pinned mirror per bucket
+        self.writes = 0  # counts the stage calls: a caller that staged ahead can tell whether it was overwritten
 
     def views(self, bucket: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """(input_ids [bucket], metadata of ``bucket`` requests), views of the static device buffers."""
@@ -138,6 +142,13 @@ class StaticDecodeBuffers:
         block_tables: Sequence[Sequence[int]],
     ) -> None:
         """The values of :meth:`write` into the pinned host mirror only (a captured graph uploads them itself)."""
+        if len(input_ids) != len(seq_lens):
+            raise ValueError(f"input_ids: expected one token per seq_len ({len(seq_lens)}), got {len(input_ids)}")
+        self.stage_metadata(bucket, seq_lens, block_tables)
+        self.stage_ids(bucket, input_ids)
+
+    def stage_metadata(self, bucket: int, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
+        """Everything of :meth:`stage` but the real rows' token ids (padding rows get token 0)."""
         batch = len(seq_lens)
         # numpy on views of the pinned mirror, a few vectorised writes: this host work precedes every replay
         # (per-request torch calls made it the replayed step's bottleneck: bench/NOTES.md)
@@ -156,16 +167,12 @@ class StaticDecodeBuffers:
             )
         if self._copied is not None:
             self._copied.synchronize()  # the last upload has left the pinned mirror
-        h = self._host_views.get(bucket)
-        if h is None:
-            h = self._host_views[bucket] = {
-                n: t[: bucket + 1 if n == "cu_seqlens_q" else bucket].numpy() for n, t in self.host.items()
-            }
+        h = self._host(bucket)
         pos = lens - 1  # the new token's position
-        ids = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, dtype=np.int64)
         # the new token's page, straight from the rows (no fancy index into the table)
         pages = np.fromiter((t[p // PAGE_SIZE] for t, p in zip(block_tables, pos.tolist())), np.int64, batch)
-        for name, values in (("input_ids", ids), ("seq_lens", lens), ("positions", pos)):
+        h["input_ids"][batch:] = 0
+        for name, values in (("seq_lens", lens), ("positions", pos)):
             h[name][:batch] = values
             h[name][batch:] = 0
         slots = h["slot_mapping"]
@@ -174,6 +181,22 @@ class StaticDecodeBuffers:
         table = h["block_table"]
         table.fill(0)
         write_block_table(table, block_tables, counts)
+        self.writes += 1
+
+    def stage_ids(self, bucket: int, input_ids: Sequence[int] | torch.Tensor) -> None:
+        """The real rows' token ids into the mirror, after :meth:`stage_metadata` (which waited for the last
+        upload): the rest of the bucket's rows as that call left them."""
+        ids = input_ids.numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, dtype=np.int64)
+        self._host(bucket)["input_ids"][: len(ids)] = ids
+        self.writes += 1
+
+    def _host(self, bucket: int) -> dict[str, np.ndarray]:
+        h = self._host_views.get(bucket)
+        if h is None:
+            h = self._host_views[bucket] = {
+                n: t[: bucket + 1 if n == "cu_seqlens_q" else bucket].numpy() for n, t in self.host.items()
+            }
+        return h
 
     def upload(self, bucket: int) -> None:
         """Copy the bucket's rows of the host mirror into the device buffers (non-blocking; captured into a
@@ -225,6 +248,7 @@ class GraphedDecode:
         self.use_graphs = runtime.device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = None
+        self._ahead = None  # (bucket, seq_lens, block table rows, their lengths, mirror writes) staged ahead
 
     def _run(self, bucket: int):
         ids, meta = self.buffers.views(bucket)
@@ -269,16 +293,51 @@ class GraphedDecode:
         if isinstance(input_ids, torch.Tensor) and input_ids.device.type != "cpu":
             raise ValueError(f"input_ids: expected host values (a list or CPU tensor), got a {input_ids.device} tensor")
         self.runtime.advance([1] * batch)
-        if self.use_graphs:
-            if bucket not in self.graphs:
-                self.capture([bucket])
+        if self.use_graphs and bucket not in self.graphs:
+            self.capture([bucket])
+        if self._staged_ahead(bucket):
+            self.buffers.stage_ids(bucket, input_ids)
+        else:
             self.buffers.stage(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
+        if self.use_graphs:
             graph, outputs = self.graphs[bucket]
             graph.replay()  # uploads the staged values first
         else:
-            self.buffers.write(bucket, input_ids, self.runtime.seq_lens, self.runtime.block_tables)
+            self.buffers.upload(bucket)
             outputs = self._run(bucket)
+        self._stage_ahead(bucket)
         if batch == bucket:  # no padding rows: the outputs as they are (each slice is host time of the step)
             return outputs
         logits, hiddens, topk = outputs
         return logits[:batch], tuple(h[:batch] for h in hiddens), tuple(t[:, :batch] for t in topk)
+
+    def _stage_ahead(self, bucket: int) -> None:
+        """The next step's metadata into the mirror while this one runs on the device, for the runtime as
+        it is now with one more token per request (that step then stages only its token ids).  Not when a
+        request would need a new page (the runtime picks it in that step's ``advance``)."""
+        self._ahead = None
+        rt = self.runtime
+        lens = [n + 1 for n in rt.seq_lens]
+        tables = list(rt.block_tables)
+        counts = [len(t) for t in tables]
+        if any(n > c * PAGE_SIZE for n, c in zip(lens, counts)):
+            return
+        self.buffers.stage_metadata(bucket, lens, tables)  # waits for this step's uploads to have left the mirror
+        self._ahead = (bucket, lens, tables, counts, self.buffers.writes)
+
+    def _staged_ahead(self, bucket: int) -> bool:
+        """Whether the mirror holds this step's metadata: same bucket, nothing staged since, the runtime's
+        lengths as predicted and its block-table rows the same lists, unchanged in length (the runtime only
+        appends pages to a request's row or replaces the rows)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return False
+        ahead_bucket, lens, tables, counts, writes = ahead
+        rt = self.runtime
+        return (
+            ahead_bucket == bucket
+            and writes == self.buffers.writes
+            and rt.seq_lens == lens
+            and len(rt.block_tables) == len(tables)
+            and all(a is b and len(a) == n for a, b, n in zip(rt.block_tables, tables, counts))
+        )

@@ -94,6 +94,36 @@ def test_static_buffer_decode_matches_the_runtime_path(device):
         graphed.step([1, 2])
 
 
+def test_metadata_staged_ahead_is_used_only_while_it_matches_the_runtime():
+    """A step stages the next step's metadata while it runs; the next step uses it only when the runtime is as
+    predicted (same rows, one more token each). Rows replaced between steps (same lengths, other pages) and a
+    step that takes a new page are staged afresh."""
+    config = MiniMaxM3Config.tiny()
+    model = build_model(config, state=random_full_state(config, seed=0))
+    runtime = PagedKVRuntime(model, num_blocks=12, max_blocks_per_request=3, kv_cache_dtype="auto")
+    runtime.start_requests(2)
+    runtime.advance([PAGE_SIZE - 2, 5])
+    calls = []
+    graphed = GraphedDecode(model, runtime, decode_fn=lambda ids, meta, caches: calls.append(1), batch_sizes=(2,))
+    ids, meta = graphed.buffers.views(2)
+    graphed.step([1, 2])  # staged in full, then stages the next step ahead
+    writes = graphed.buffers.writes
+    graphed.step([3, 4])  # as predicted: only the token ids are staged
+    assert ids.tolist() == [3, 4] and meta.seq_lens.tolist() == [PAGE_SIZE, 7]
+    assert meta.positions.tolist() == [PAGE_SIZE - 1, 6]
+    # one write (the ids): nothing is staged ahead of a step that takes a new page (request 0's next token)
+    assert graphed.buffers.writes == writes + 1 and graphed._ahead is None
+    graphed.step([5, 6])
+    assert meta.block_table[0, :2].tolist() == runtime.block_tables[0] and len(runtime.block_tables[0]) == 2
+    assert meta.slot_mapping[0] == runtime.block_tables[0][1] * PAGE_SIZE
+    # another request's pages in row 1, same lengths: the staged-ahead values are stale and not used
+    runtime.block_tables[1] = [runtime.free_pages.pop()]
+    graphed.step([7, 8])
+    assert meta.block_table[1, 0] == runtime.block_tables[1][0]
+    assert meta.slot_mapping[1] == runtime.block_tables[1][0] * PAGE_SIZE + 8
+    assert len(calls) == 4
+
+
 @pytest.mark.gpu
 def test_gpu_graph_replayed_decode_matches_eager(device):
     config = MiniMaxM3Config.tiny()
