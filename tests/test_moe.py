@@ -166,16 +166,18 @@ def test_route_matches_the_reference(T):
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("x_mx", [False, True])
-def test_split_k_linear_matches_float64(target, x_mx):
+def test_split_k_linear_matches_float64(target, x_mx, monkeypatch):
     """``SPLIT_K`` programs along k write fp32 partials that a second kernel adds in split order: the same linear
     (bf16 x, and the MXFP8 activation of GEMM2) within one bf16 ulp of the float64 reference, 1 and 19 rows, a
-    last split shorter than the others (5 k steps over 3 splits), and deterministic (bit-identical reruns)."""
+    last split shorter than the others (5 k steps over 3 splits), and deterministic (bit-identical reruns); past
+    ``SPLIT_MAX_ROWS`` rows (8 here) the same config runs one split."""
     v, s = weights(target, (64, 5 * 32), 40)
     x = torch.randn(19, 5 * 32)
     with platform.emulate(target):
         fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
         config = dataclasses.replace(schedule(19, 64, 5 * 32, 1, True), BLOCK_K=32, SPLIT_K=3)
-        for rows in (1, 19):
+        for rows, max_rows in ((1, 256), (19, 256), (19, 8)):
+            monkeypatch.setattr(gemm_kernels, "SPLIT_MAX_ROWS", max_rows)
             if x_mx:
                 xq, xs = torch.ops.mm3.mxfp8_quantize(x[:rows])
                 ref = mxfp8_linear_ref(mx_dequantize_f64(xq, xs), v, s)
@@ -191,6 +193,23 @@ def test_split_k_linear_matches_float64(target, x_mx):
             gemm_kernels.mxfp8_gemm(
                 *args, v[None], s[None], fmt, dataclasses.replace(config, SPLIT_K=6), torch.bfloat16
             )
+
+
+def test_split_count_reads_a_symbolic_row_count_without_guards():
+    """Past ``SPLIT_MAX_ROWS`` rows a split config runs one split; under dynamic shapes that choice is an expression
+    of the row count (traced at one token, it stays right at a prefill's size) and adds no guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    # a hint of 2: a symbol of hint 1 would be specialised to the constant (0/1 specialisation)
+    rows = env.create_symintnode(env.create_symbol(2, ConstantSource("rows"), DimDynamic.DYNAMIC), hint=2)
+    splits = gemm_kernels.splits_run(3, rows)
+    assert not env.guards and isinstance(splits, torch.SymInt)
+    symbol = rows.node.expr
+    cap = gemm_kernels.SPLIT_MAX_ROWS
+    assert [int(splits.node.expr.subs(symbol, n)) for n in (2, cap, cap + 1, 8192)] == [3, 3, 1, 1]
+    assert [gemm_kernels.splits_run(3, n) for n in (0, 1, cap, cap + 1)] == [3, 3, 3, 1]
 
 
 @pytest.mark.parametrize("target", TARGETS)

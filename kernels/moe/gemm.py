@@ -91,7 +91,7 @@ def _mxfp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # accumulate out^T = W @ x^T (the dequantized weight as the left operand)
-    SPLIT_K: tl.constexpr,  # programs along k (axis 2); > 1: raw fp32 partials, summed by _split_k_sum_kernel
+    SPLIT_K: tl.constexpr,  # > 1: programs along k (axis 2) write raw fp32 partials, summed by _split_k_sum_kernel
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -188,10 +188,10 @@ def _mxfp8_gemm_kernel(
 
 @triton.jit
 def _split_k_sum_kernel(
-    partial_ptr,  # [SPLIT_K, numel] fp32
+    partial_ptr,  # [splits, numel] fp32
     out_ptr,  # [numel]
     numel,
-    SPLIT_K: tl.constexpr,
+    splits,
     ROUND_BF16: tl.constexpr,
     INT_ROUND: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -201,7 +201,7 @@ def _split_k_sum_kernel(
     ok = offs < numel
     ptrs = partial_ptr + offs
     acc = tl.load(ptrs, mask=ok, other=0.0)
-    for _ in tl.static_range(1, SPLIT_K):
+    for _ in range(1, splits):
         ptrs += numel  # a pointer step per split: no split * numel product to overflow int32
         acc += tl.load(ptrs, mask=ok, other=0.0)
     if ROUND_BF16:
@@ -210,6 +210,17 @@ def _split_k_sum_kernel(
 
 
 SPLIT_SUM_BLOCK = 1024
+SPLIT_MAX_ROWS = 256  # rows up to which a split config splits: 3 x 256 x 9856 x 4 B = 30 MB of partials at most
+
+
+def splits_run(split: int, rows):
+    """The splits a ``SPLIT_K = split`` launch runs: all of them up to ``SPLIT_MAX_ROWS`` rows, one past that.
+
+    A graph traced at a decode size and run at a prefill's would otherwise allocate ``split x rows x N`` fp32
+    partials (gigabytes). Integer arithmetic only, so a symbolic row count stays symbolic: no guard, no
+    recompile (the decode attention's split plan does the same).
+    """
+    return 1 + (split - 1) * torch.sym_min(1, SPLIT_MAX_ROWS // torch.sym_max(rows, 1))
 
 
 def _dot_dtype(x_dtype: torch.dtype):
@@ -255,10 +266,12 @@ def mxfp8_gemm(
     split = config.SPLIT_K
     if split > 1 and (grouped or pair_weights is not None or shared is not None):
         raise ValueError(f"config: SPLIT_K {split} is for the plain linear (no groups, pair weights or shared weight)")
-    split_steps = triton.cdiv(triton.cdiv(K, config.BLOCK_K), split)
-    if split > 1 and (split - 1) * split_steps * config.BLOCK_K >= K:
+    k_steps = triton.cdiv(K, config.BLOCK_K)
+    if split > 1 and (split - 1) * triton.cdiv(k_steps, split) >= k_steps:
         raise ValueError(f"config: SPLIT_K {split} leaves a split without k steps (K {K}, BLOCK_K {config.BLOCK_K})")
-    target = empty_row_major((split, rows, N), torch.float32, x.device) if split > 1 else out
+    splits = splits_run(split, rows)
+    split_steps = triton.cdiv(k_steps, splits)
+    target = empty_row_major((splits, rows, N), torch.float32, x.device) if split > 1 else out
     nb = block_expert.shape[0] if grouped else triton.cdiv(M, config.BLOCK_M)
     # Inductor launches without Triton's divisible-by-16 specialisation of ints: the alignment of K / 32 (the
     # scale rows' stride) travels as a constexpr, or the scale loads of a split at an odd multiple of 8 scale
@@ -269,7 +282,7 @@ def mxfp8_gemm(
     w = fp8.view(values)
     xk = x if x_scales is None else fp8.view(x)
     dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
-    grid = (nb, triton.cdiv(N, config.BLOCK_N), split)
+    grid = (nb, triton.cdiv(N, config.BLOCK_N), splits)
     round_bf16 = x_scales is not None or out_dtype == torch.bfloat16
     launch(
         _mxfp8_gemm_kernel,
@@ -310,7 +323,7 @@ def mxfp8_gemm(
             target,
             out,
             numel,
-            SPLIT_K=split,
+            splits,
             ROUND_BF16=round_bf16,
             INT_ROUND=platform.interpreting(),
             BLOCK=SPLIT_SUM_BLOCK,
