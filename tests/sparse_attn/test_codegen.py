@@ -9,6 +9,21 @@ from mm3_compile.ops._kv import resolve_cache_view
 from tests.python_process import run_python
 from tests.sparse_attn.helpers import build
 
+
+def each_variant(arity: int) -> str:
+    """A compile script's tail: ``compile_variant`` on each group of ``arity`` arguments, in one process (an
+    interpreter start per variant cost ~5-8 s); a failing variant is named on stderr."""
+    return f"""
+for i in range(1, len(sys.argv), {arity}):
+    variant = sys.argv[i : i + {arity}]
+    try:
+        compile_variant(*variant)
+    except Exception:
+        print("failed variant:", variant, file=sys.stderr)
+        raise
+"""
+
+
 AOT_COMPILE_SCRIPT = r"""
 import sys
 import triton
@@ -56,16 +71,7 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
     compiled = triton.compile(source, target=target, options=options)
     print("compiled", sorted(compiled.asm), flush=True)
 
-
-# one process for every variant (8 arguments each): an interpreter start per variant cost ~5-8 s
-for i in range(1, len(sys.argv), 8):
-    variant = sys.argv[i : i + 8]
-    try:
-        compile_variant(*variant)
-    except Exception:
-        print("failed variant:", variant, file=sys.stderr)
-        raise
-"""
+""" + each_variant(8)
 
 
 KV_CENTRIC_COMPILE_SCRIPT = r"""
@@ -112,16 +118,7 @@ def compile_variant(kv_type, G, scale_mode, native, model):
           dict(num_warps=4))
     print("compiled", flush=True)
 
-
-# one process for every variant (5 arguments each): an interpreter start per variant cost ~5 s
-for i in range(1, len(sys.argv), 5):
-    variant = sys.argv[i : i + 5]
-    try:
-        compile_variant(*variant)
-    except Exception:
-        print("failed variant:", variant, file=sys.stderr)
-        raise
-"""
+""" + each_variant(5)
 
 
 def test_launch_choices_read_size_hints_without_guards():
