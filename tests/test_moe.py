@@ -57,8 +57,13 @@ def assert_bf16_close(got, ref):
 
 def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(4, 6144, 6144, 128, False) == schedule(4, 6144, 6144, 128, False)
-    decode, prefill = schedule(4, 6144, 6144, 128, False), schedule(32768, 6144, 6144, 128, False)
+    decode, prefill = schedule(4, 6144, 6144, 128, False), schedule(16384, 6144, 6144, 128, False)
     assert decode.BLOCK_M == 16 and prefill.BLOCK_M == 128
+    # 256-row tiles from 256 rows per expert on (8192 tokens x top-4 of 128), for both GEMMs (one align layout)
+    assert schedule(32768, 6144, 6144, 128, False).BLOCK_M == schedule(32768, 6144, 3072, 128, False, True).BLOCK_M
+    assert schedule(32768, 6144, 6144, 128, False).BLOCK_M == 256
+    # scales loaded a step ahead in prefill tiles only (decode tiles measured 6x slower with it)
+    assert prefill.PREFETCH_SCALES and not decode.PREFETCH_SCALES
     # 64-column decode tiles (the fastest measured at 1 and 32 tokens, for 4 experts and for one), narrower only
     # for a narrower weight
     assert decode.BLOCK_N == 64 and schedule(1, 1024, 6144, 1, False).BLOCK_N == 64
@@ -66,7 +71,7 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(None, 6144, 6144, 128, False).BLOCK_M == 16
     # prefill: the dequantized weight as the dot's register operand; wider tiles when x is MXFP8 too
     assert prefill.SWAP_AB and not decode.SWAP_AB
-    assert schedule(32768, 6144, 3072, 128, False, x_mx=True).BLOCK_N == 2 * prefill.BLOCK_N
+    assert schedule(16384, 6144, 3072, 128, False, x_mx=True).BLOCK_N == 2 * prefill.BLOCK_N
     assert isinstance(schedule(4, 64, 64, 8, True), GemmConfig)
     # the one-expert linear splits k until its grid fills 3 programs per SM (132 SMs): qkv and o at one token; never
     # a grouped GEMM, a prefill-sized linear or a device of unknown size
@@ -234,6 +239,40 @@ def test_swapped_operand_order_matches_float64(target):
     torch.testing.assert_close(g.double(), grouped_gemm_ref(x.double(), v1, s1, ids), **ulp)
     y_ref = grouped_gemm_ref(mx_dequantize_f64(act, act_s), v2, s2, ids)
     torch.testing.assert_close(y.double(), y_ref.to(torch.bfloat16).double() * w.reshape(-1, 1).double(), **ulp)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_scales_loaded_ahead_give_the_same_bits(target):
+    """``PREFETCH_SCALES`` changes when the scale tiles are loaded, not what is computed: GEMM1, GEMM2 (MXFP8 x)
+    and the split-k linear are bit-identical with and without it, over several k steps, a partial last step
+    (K = 5 x 32 with 64-wide steps) and an expert with no rows."""
+    Kw = 5 * 32
+    v1, s1 = weights(target, (E, 64, Kw), 21)
+    T = 13
+    x, ids, w = torch.randn(T, Kw).to(torch.bfloat16), routes(T, 22), torch.rand(T, K_TOP)
+    ids[ids == 3] = 4  # expert 3 gets no rows
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+        pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
+        a, a_s = torch.ops.mm3.mxfp8_quantize(torch.randn(T * K_TOP, Kw))
+        outs = []
+        for prefetch in (False, True):
+            config = dataclasses.replace(
+                schedule(T * K_TOP, 64, Kw, E, True), BLOCK_M=BLOCK_M, BLOCK_K=64, PREFETCH_SCALES=prefetch
+            )
+            g1 = gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP)
+            g2 = gemm_kernels.mxfp8_gemm(
+                a, a_s.view(torch.uint8), v1, s1, fmt, config, torch.float32, pairs, blocks, 1, w.reshape(-1)
+            )
+            split = dataclasses.replace(config, SPLIT_K=2)
+            lin = gemm_kernels.mxfp8_gemm(x, None, v1[:1], s1[:1], fmt, split, torch.bfloat16)
+            outs.append((g1, g2, lin))
+    for off, on in zip(*outs):
+        as_int = torch.int16 if off.element_size() == 2 else torch.int32
+        assert torch.equal(off.view(as_int), on.view(as_int))
+    torch.testing.assert_close(
+        outs[0][0].double(), grouped_gemm_ref(x.double(), v1, s1, ids), rtol=BF16_RTOL, atol=1e-6
+    )
 
 
 def test_nan_and_inf_rows_propagate_like_the_reference():
@@ -455,6 +494,7 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
         GROUPED=not SPLIT, TOP_K=1, X_MX=not SPLIT, HAS_WEIGHTS=not SPLIT, HAS_SHARED=not SPLIT, ROUND_BF16=True,
         INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32,
         SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128, SPLIT_K=4 if SPLIT else 1, K_ALIGN=16,
+        PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
         DOT_DTYPE=tl.bfloat16,
         **fp8.constexprs(),
     )

@@ -92,6 +92,7 @@ def _mxfp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # accumulate out^T = W @ x^T (the dequantized weight as the left operand)
     SPLIT_K: tl.constexpr,  # > 1: programs along k (axis 2) write raw fp32 partials, summed by _split_k_sum_kernel
+    PREFETCH_SCALES: tl.constexpr,  # load the scale tiles one k step ahead, in registers
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -139,27 +140,41 @@ def _mxfp8_gemm_kernel(
         NBK: tl.constexpr = BLOCK_K // MX
         k_start = pid_k * split_steps * BLOCK_K  # a multiple of BLOCK_K: aligned loads of values and scales
         k_end = tl.minimum(K, k_start + split_steps * BLOCK_K)
+        kb_end = k_end // MX
+        kb0 = tl.arange(0, NBK)
+        w_sb_ptrs = ws_base + w_rows[:, None] * k_blocks + kb0[None, :]  # [BLOCK_N, NBK] at k block 0
+        x_sb_ptrs = x_scales_ptr + x_rows[:, None] * k_blocks + kb0[None, :]  # [BLOCK_M, NBK] (X_MX)
+        if PREFETCH_SCALES:
+            # the scale tiles are too narrow for the pipeliner's asynchronous copies (under 4 bytes per thread):
+            # loaded one k step ahead into registers, their latency hides behind the step before
+            kb = k_start // MX + kb0
+            w_sb = tl.load(w_sb_ptrs + k_start // MX, mask=col_ok[:, None] & (kb < kb_end)[None, :], other=0)
+            if X_MX:
+                x_sb = tl.load(x_sb_ptrs + k_start // MX, mask=valid[:, None] & (kb < kb_end)[None, :], other=0)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            kb = k0 // MX + tl.arange(0, NBK)
+            kb = k0 // MX + kb0
             k_ok = ks < K
             kb_ok = kb < k_blocks
+            if PREFETCH_SCALES:
+                w_sb_now = w_sb
+                nb_ok = (kb + NBK) < kb_end
+                w_sb = tl.load(w_sb_ptrs + (k0 // MX + NBK), mask=col_ok[:, None] & nb_ok[None, :], other=0)
+                if X_MX:
+                    x_sb_now = x_sb
+                    x_sb = tl.load(x_sb_ptrs + (k0 // MX + NBK), mask=valid[:, None] & nb_ok[None, :], other=0)
+            else:
+                w_sb_now = tl.load(w_sb_ptrs + k0 // MX, mask=col_ok[:, None] & kb_ok[None, :], other=0)
+                if X_MX:
+                    x_sb_now = tl.load(x_sb_ptrs + k0 // MX, mask=valid[:, None] & kb_ok[None, :], other=0)
             # one fill for both kinds: 0.0 casts to the FP8 zero and to the byte 0 (an int fill cannot cast to FP8)
             w_mask = col_ok[:, None] & k_ok[None, :]
             w_codes = tl.load(w_base + w_rows[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-            w_sb = tl.load(
-                ws_base + w_rows[:, None] * k_blocks + kb[None, :], mask=col_ok[:, None] & kb_ok[None, :], other=0
-            )
-            w = _mx_tile(w_codes, w_sb, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
+            w = _mx_tile(w_codes, w_sb_now, BLOCK_N, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             x_mask = valid[:, None] & k_ok[None, :]
             if X_MX:
                 x_codes = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
-                x_sb = tl.load(
-                    x_scales_ptr + x_rows[:, None] * k_blocks + kb[None, :],
-                    mask=valid[:, None] & kb_ok[None, :],
-                    other=0,
-                )
-                xt = _mx_tile(x_codes, x_sb, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
+                xt = _mx_tile(x_codes, x_sb_now, BLOCK_M, BLOCK_K, DOT_DTYPE, FP8, FP8_NATIVE_LOAD)
             else:
                 xt = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=x_mask, other=0.0).to(DOT_DTYPE)
             if SWAP_AB:

@@ -23,6 +23,9 @@ class GemmConfig:
     # programs along k for the one-expert linear (fp32 partials + an ordered sum): a one-token linear has one
     # row block, too few programs to keep every SM streaming weight bytes
     SPLIT_K: int = 1
+    # load the scale tiles one k step ahead into registers: a prefill tile's scale tile is under 4 bytes per thread,
+    # too narrow for the pipeliner's asynchronous copies, so each step waited on its scale load
+    PREFETCH_SCALES: bool = False
 
     def launch_options(self) -> dict:
         return {
@@ -30,6 +33,7 @@ class GemmConfig:
             "BLOCK_K": self.BLOCK_K,
             "SWAP_AB": self.SWAP_AB,
             "SPLIT_K": self.SPLIT_K,
+            "PREFETCH_SCALES": self.PREFETCH_SCALES,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
@@ -88,24 +92,21 @@ def schedule(
     Returns:
         A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
         smallest ``tl.dot``) and 64-column tiles streaming the weights. Prefill (many rows per expert) uses
-        tensor-core tiles that reuse each dequantized weight tile over 128 rows, the weight as the dot's
-        register operand (``SWAP_AB``), 256 columns when x is dequantized too (half the x decode per output).
+        tensor-core tiles that reuse each dequantized weight tile over 128 or 256 rows (:func:`_prefill`).
 
     Examples:
         >>> schedule(4, 6144, 6144, 128, False).BLOCK_M
         16
-        >>> schedule(32768, 6144, 6144, 128, False).BLOCK_M
+        >>> schedule(16384, 6144, 6144, 128, False).BLOCK_M
         128
+        >>> schedule(32768, 6144, 6144, 128, False).BLOCK_M
+        256
     """
     if interpreting:
         return dataclasses.replace(INTERPRETER, BLOCK_N=min(INTERPRETER.BLOCK_N, max(16, triton.next_power_of_2(n))))
     rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
     if rows_per_expert is not None and rows_per_expert >= 64:
-        # measured at 8192 tokens (bench/NOTES.md, session 15): gate_up 10.42 -> 9.35 ms, down 8.09 -> 6.96 ms
-        # against 128 x 128 x 64 tiles, 4 warps, the weight through shared memory
-        return GemmConfig(
-            BLOCK_M=128, BLOCK_N=256 if x_mx else 128, BLOCK_K=128, num_warps=8, num_stages=3, SWAP_AB=True
-        )
+        return _prefill(rows_per_expert, x_mx)
     # 64 columns per program streamed the weights fastest at 1 and 32 tokens, for 4 experts and for one
     # (wider tiles leave too few loads in flight per SM, narrower ones pay their per-step overhead on half
     # the bytes), even where the grid leaves SMs idle: one expert's 96 programs beat 192 of 32 columns 2x
@@ -126,6 +127,25 @@ def schedule(
     # GEMM2 (and k not a multiple of 512): 256-wide k steps in 3 stages (4 before: T1 32.5 -> 31.4 us, T32 417 -> 395
     # us, T128 706 -> 669 us, bench/NOTES.md session 16)
     return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=3)
+
+
+def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
+    """Tensor-core tiles, the weight as the dot's register operand (``SWAP_AB``), 8 warps.
+
+    H200, 8192 tokens x top-4 (256 rows per expert), routed experts (bench/NOTES.md, session 19): 256-row tiles
+    with the scales loaded ahead took GEMM1 10.50 -> 6.54 ms (128 x 128 x 128 tiles, 3 stages, before) and GEMM2
+    7.78 -> 7.76 ms (128 x 256 x 128). A 256-row tile dequantizes each weight tile once for twice the rows; it
+    pads every expert's rows to a multiple of 256, so it starts where experts average 256 rows.
+    """
+    if rows_per_expert >= 256:
+        if x_mx:
+            return GemmConfig(256, 128, 32, 8, 5, SWAP_AB=True, PREFETCH_SCALES=True)
+        return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)
+    if x_mx:
+        # GEMM2 (MXFP8 x, decoded per step too): 256 columns halve the x decode per output; the prefetch did not
+        # pay here (7.78 vs 7.98 ms)
+        return GemmConfig(128, 256, 128, 8, 3, SWAP_AB=True)
+    return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)  # 10.50 -> 7.95 ms
 
 
 def num_blocks(rows, num_experts: int, block_m: int):
