@@ -59,9 +59,10 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(4, 6144, 6144, 128, False) == schedule(4, 6144, 6144, 128, False)
     decode, prefill = schedule(4, 6144, 6144, 128, False), schedule(16384, 6144, 6144, 128, False)
     assert decode.BLOCK_M == 16 and prefill.BLOCK_M == 128
-    # 256-row tiles from 256 rows per expert on (8192 tokens x top-4 of 128), for both GEMMs (one align layout)
-    assert schedule(32768, 6144, 6144, 128, False).BLOCK_M == schedule(32768, 6144, 3072, 128, False, True).BLOCK_M
+    # 256-row GEMM1 tiles from 256 rows per expert on (8192 tokens x top-4 of 128); GEMM2's tile divides them (it
+    # runs over GEMM1's align layout)
     assert schedule(32768, 6144, 6144, 128, False).BLOCK_M == 256
+    assert 256 % schedule(32768, 6144, 3072, 128, False, True).BLOCK_M == 0
     # scales loaded a step ahead in prefill tiles only (decode tiles measured 6x slower with it)
     assert prefill.PREFETCH_SCALES and not decode.PREFETCH_SCALES
     # 64-column decode tiles (the fastest measured at 1 and 32 tokens, for 4 experts and for one), narrower only
@@ -273,6 +274,46 @@ def test_scales_loaded_ahead_give_the_same_bits(target):
     torch.testing.assert_close(
         outs[0][0].double(), grouped_gemm_ref(x.double(), v1, s1, ids), rtol=BF16_RTOL, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_row_tile_narrower_than_the_layout_blocks(target):
+    """A grouped GEMM over a layout aligned to 4x its row tile (each block as 4 tiles, the pad-only ones exiting)
+    gives the same bits as tiles as wide as the blocks, for GEMM1 and GEMM2; a layout that is no multiple of the
+    tile is refused."""
+    v1, s1 = weights(target, (E, 2 * I, H), 23)
+    v2, s2 = weights(target, (E, H, I), 24)
+    T = 21
+    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 25), torch.rand(T, K_TOP)
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+        pairs, blocks = torch.ops.mm3.moe_align(ids, E, 4 * BLOCK_M)
+        a, a_s = torch.ops.mm3.mxfp8_quantize(torch.randn(T * K_TOP, I))
+        outs = []
+        for tile in (4 * BLOCK_M, BLOCK_M):
+            config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=tile)
+            g1 = gemm_kernels.mxfp8_gemm(
+                x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP, layout_m=4 * BLOCK_M
+            )
+            g2 = gemm_kernels.mxfp8_gemm(
+                a,
+                a_s.view(torch.uint8),
+                v2,
+                s2,
+                fmt,
+                config,
+                torch.float32,
+                pairs,
+                blocks,
+                1,
+                w.reshape(-1),
+                layout_m=4 * BLOCK_M,
+            )
+            outs.append((g1, g2))
+        with pytest.raises(ValueError, match="layout_m"):
+            gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP, layout_m=24)
+    assert all(torch.equal(wide, narrow) for wide, narrow in zip(*outs))
+    assert_bf16_close(outs[1][0], grouped_gemm_ref(x.double(), v1, s1, ids))
 
 
 def test_nan_and_inf_rows_propagate_like_the_reference():
@@ -491,7 +532,7 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
     SWAP = variant not in ("plain", "split")
     SPLIT = variant == "split"  # the one-token linear: bf16 x, plain rows, fp32 partials over 4 k splits
     consts = dict(
-        GROUPED=not SPLIT, TOP_K=1, X_MX=not SPLIT, HAS_WEIGHTS=not SPLIT, HAS_SHARED=not SPLIT, ROUND_BF16=True,
+        GROUPED=not SPLIT, BLOCK_SPLIT=2 if config else 1, TOP_K=1, X_MX=not SPLIT, HAS_WEIGHTS=not SPLIT, HAS_SHARED=not SPLIT, ROUND_BF16=True,
         INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32,
         SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128, SPLIT_K=4 if SPLIT else 1, K_ALIGN=16,
         PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,

@@ -80,6 +80,7 @@ def _mxfp8_gemm_kernel(
     k_units,  # K / (32 * K_ALIGN)
     split_steps,  # BLOCK_K steps per split (all of K's when SPLIT_K is 1)
     GROUPED: tl.constexpr,
+    BLOCK_SPLIT: tl.constexpr,  # row tiles per aligned block of block_expert (its BLOCK_SPLIT * BLOCK_M rows)
     K_ALIGN: tl.constexpr,  # the largest power of two <= 16 dividing K / 32: scale rows start that aligned
     TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
     X_MX: tl.constexpr,
@@ -108,7 +109,7 @@ def _mxfp8_gemm_kernel(
     pid_k = tl.program_id(2)
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if GROUPED:
-        expert = tl.load(block_expert_ptr + pid_b)
+        expert = tl.load(block_expert_ptr + pid_b // BLOCK_SPLIT)
         groups = num_experts
         if HAS_SHARED:
             groups = num_experts + 1
@@ -119,7 +120,8 @@ def _mxfp8_gemm_kernel(
         expert = pid_b * 0  # a tensor like the grouped branch's, for the same code below
         pairs = offs
         valid = offs < rows
-    if expert >= 0:
+    # a tile of pads only (the tail of an aligned block wider than the tile) reads nothing either
+    if (expert >= 0) & (tl.max(valid.to(tl.int32), axis=0) > 0):
         out_rows = tl.where(valid, pairs, 0).to(tl.int64)
         x_rows = out_rows // TOP_K
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -264,8 +266,12 @@ def mxfp8_gemm(
     top_k: int = 1,
     pair_weights: torch.Tensor | None = None,  # [M * top_k] fp32
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # [N, K] values, [N, K / 32] uint8: group E
+    layout_m: int | None = None,  # rows per block of the aligned layout (grouped; default config.BLOCK_M)
 ) -> torch.Tensor:
     """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``.
+
+    The aligned layout's blocks (``layout_m`` rows) may be wider than the row tile: each block then runs as
+    ``layout_m / BLOCK_M`` tiles of its expert, and tiles holding only pads exit.
 
     With ``shared``, row blocks of group ``E`` (one past the routed experts) read that weight: the shared expert
     runs in the routed launch, its programs beside the routed ones.
@@ -287,7 +293,11 @@ def mxfp8_gemm(
     splits = splits_run(split, rows)
     split_steps = triton.cdiv(k_steps, splits)
     target = empty_row_major((splits, rows, N), torch.float32, x.device) if split > 1 else out
-    nb = block_expert.shape[0] if grouped else triton.cdiv(M, config.BLOCK_M)
+    layout_m = config.BLOCK_M if layout_m is None else layout_m
+    if grouped and layout_m % config.BLOCK_M != 0:
+        raise ValueError(f"layout_m: expected a multiple of the row tile {config.BLOCK_M}, got {layout_m}")
+    block_split = layout_m // config.BLOCK_M
+    nb = block_expert.shape[0] * block_split if grouped else triton.cdiv(M, config.BLOCK_M)
     # Inductor launches without Triton's divisible-by-16 specialisation of ints: the alignment of K / 32 (the
     # scale rows' stride) travels as a constexpr, or the scale loads of a split at an odd multiple of 8 scale
     # bytes went byte by byte (2x slower, H200)
@@ -319,6 +329,7 @@ def mxfp8_gemm(
         split_steps,
         K_ALIGN=k_align,
         GROUPED=grouped,
+        BLOCK_SPLIT=block_split if grouped else 1,
         TOP_K=top_k,
         X_MX=x_scales is not None,
         HAS_WEIGHTS=pair_weights is not None,

@@ -130,16 +130,19 @@ def schedule(
 
 
 def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
-    """Tensor-core tiles, the weight as the dot's register operand (``SWAP_AB``), 8 warps.
+    """Tensor-core tiles, the weight as the dot's register operand (``SWAP_AB``).
 
     H200, 8192 tokens x top-4 (256 rows per expert), routed experts (bench/NOTES.md, session 19): 256-row tiles
-    with the scales loaded ahead took GEMM1 10.50 -> 6.54 ms (128 x 128 x 128 tiles, 3 stages, before) and GEMM2
-    7.78 -> 7.76 ms (128 x 256 x 128). A 256-row tile dequantizes each weight tile once for twice the rows; it
-    pads every expert's rows to a multiple of 256, so it starts where experts average 256 rows.
+    with the scales loaded ahead took GEMM1 10.50 -> 6.54 ms (128 x 128 x 128 tiles, 3 stages, before). A 256-row
+    tile dequantizes each weight tile once for twice the rows; it pads every expert's rows to a multiple of 256, so
+    it starts where experts average 256 rows. GEMM2's tile divides GEMM1's: it runs over GEMM1's align layout.
     """
     if rows_per_expert >= 256:
         if x_mx:
-            return GemmConfig(256, 128, 32, 8, 5, SWAP_AB=True, PREFETCH_SCALES=True)
+            # 128-row tiles of 4 warps, two per block of the 256-row layout: the kernel alone on random weights
+            # 6.83 ms against 8.18 ms for 256-row tiles of 8 warps (ncu: those hold 255 registers per thread, one
+            # program of 8 warps per SM, 0.26 instructions issued per cycle per scheduler)
+            return GemmConfig(128, 128, 32, 4, 5, SWAP_AB=True, PREFETCH_SCALES=True)
         return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)
     if x_mx:
         # GEMM2 (MXFP8 x, decoded per step too): 256 columns halve the x decode per output; the prefetch did not

@@ -294,7 +294,8 @@ def mxfp8_grouped_gemm(
     shared = None if shared_values is None else (shared_values, shared_scales.view(torch.uint8))
     groups = w_values.shape[0] + (shared is not None)
     config = gemm_schedule(x.shape[0] * top_k, N, K, groups, x.device, x_scales is not None)
-    config = dataclasses.replace(config, BLOCK_M=block_m)
+    if block_m % config.BLOCK_M != 0:  # the schedule's row tile runs over the layout when it divides its blocks
+        config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
         return gemm_kernels.mxfp8_gemm(
@@ -310,6 +311,7 @@ def mxfp8_grouped_gemm(
             top_k,
             pair_weights,
             shared,
+            layout_m=block_m,
         )
 
 
