@@ -218,15 +218,21 @@ def test_split_count_reads_a_symbolic_row_count_without_guards():
     assert [gemm_kernels.splits_run(3, n) for n in (0, 1, cap, cap + 1)] == [3, 3, 3, 1]
 
 
+def two_gemms(target, T, seeds):
+    """GEMM1 and GEMM2 weights of the tiny widths, T bf16 tokens and their top-K_TOP routes and weights."""
+    v1, s1 = weights(target, (E, 2 * I, H), seeds[0])
+    v2, s2 = weights(target, (E, H, I), seeds[1])
+    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, seeds[2]), torch.rand(T, K_TOP)
+    return v1, s1, v2, s2, x, ids, w
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_swapped_operand_order_matches_float64(target):
     """``SWAP_AB`` (out^T = W @ x^T, the weight as the dot's left operand) computes the same GEMMs. Its fp32 sums
     run in another order, so a near-tie may round to the other bf16 neighbour: within one bf16 ulp (``2^-7``
     relative; measured 3.95e-3 on one of 2432 GEMM1 outputs, the rest within half an ulp)."""
-    v1, s1 = weights(target, (E, 2 * I, H), 16)
-    v2, s2 = weights(target, (E, H, I), 17)
+    v1, s1, v2, s2, x, ids, w = two_gemms(target, 19, (16, 17, 30))
     T = 19
-    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 30), torch.rand(T, K_TOP)
     with platform.emulate(target):
         fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
         config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=BLOCK_M, SWAP_AB=True)
@@ -281,10 +287,8 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
     """A grouped GEMM over a layout aligned to 4x its row tile (each block as 4 tiles, the pad-only ones exiting)
     gives the same bits as tiles as wide as the blocks, for GEMM1 and GEMM2; a layout that is no multiple of the
     tile is refused."""
-    v1, s1 = weights(target, (E, 2 * I, H), 23)
-    v2, s2 = weights(target, (E, H, I), 24)
     T = 21
-    x, ids, w = torch.randn(T, H).to(torch.bfloat16), routes(T, 25), torch.rand(T, K_TOP)
+    v1, s1, v2, s2, x, ids, w = two_gemms(target, T, (23, 24, 25))
     with platform.emulate(target):
         fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
         pairs, blocks = torch.ops.mm3.moe_align(ids, E, 4 * BLOCK_M)
