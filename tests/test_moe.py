@@ -251,8 +251,9 @@ def test_swapped_operand_order_matches_float64(target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_scales_loaded_ahead_give_the_same_bits(target):
     """``PREFETCH_SCALES`` changes when the scale tiles are loaded, not what is computed: GEMM1, GEMM2 (MXFP8 x)
-    and the split-k linear are bit-identical with and without it, over several k steps, a partial last step
-    (K = 5 x 32 with 64-wide steps) and an expert with no rows."""
+    (both with the weight as the left operand, like the prefill tiles) and the split-k linear are bit-identical
+    with and without it, over several k steps, a partial last step (K = 5 x 32 with 64-wide steps) and an expert
+    with no rows."""
     Kw = 5 * 32
     v1, s1 = weights(target, (E, 64, Kw), 21)
     T = 13
@@ -265,13 +266,17 @@ def test_scales_loaded_ahead_give_the_same_bits(target):
         outs = []
         for prefetch in (False, True):
             config = dataclasses.replace(
-                schedule(T * K_TOP, 64, Kw, E, True), BLOCK_M=BLOCK_M, BLOCK_K=64, PREFETCH_SCALES=prefetch
+                schedule(T * K_TOP, 64, Kw, E, True),
+                BLOCK_M=BLOCK_M,
+                BLOCK_K=64,
+                PREFETCH_SCALES=prefetch,
+                SWAP_AB=True,  # as the prefill tiles run it
             )
             g1 = gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP)
             g2 = gemm_kernels.mxfp8_gemm(
                 a, a_s.view(torch.uint8), v1, s1, fmt, config, torch.float32, pairs, blocks, 1, w.reshape(-1)
             )
-            split = dataclasses.replace(config, SPLIT_K=2)
+            split = dataclasses.replace(config, SPLIT_K=2, SWAP_AB=False)
             lin = gemm_kernels.mxfp8_gemm(x, None, v1[:1], s1[:1], fmt, split, torch.bfloat16)
             outs.append((g1, g2, lin))
     for off, on in zip(*outs):
@@ -295,7 +300,7 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
         a, a_s = torch.ops.mm3.mxfp8_quantize(torch.randn(T * K_TOP, I))
         outs = []
         for tile in (4 * BLOCK_M, BLOCK_M):
-            config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=tile)
+            config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=tile, SWAP_AB=True)
             g1 = gemm_kernels.mxfp8_gemm(
                 x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP, layout_m=4 * BLOCK_M
             )
