@@ -16,10 +16,10 @@ that never move, and everything that varies must be a value inside them:
   most of a single-request step's host time), so a step is numpy writes and one replay.  While a
   step runs on the device, the host stages the next step's metadata (the runtime as it is, one token
   more per request); that step then writes only its token ids, unless the runtime changed otherwise
-  in between (a new page, other requests: it stages afresh).  No device tensor is created per step
-  and the host never waits for the device's work (it waits, through an external event that the graph
-  records after its copies, only for a replay's copies to have left the pinned mirror before
-  overwriting it).  ``cu_seqlens_q`` (one token per row) is constant.  The KV
+  in between (a new page, other requests, a row's pages changed: it stages afresh).  No device tensor
+  is created per step.  The host runs at most one step ahead of the device: before overwriting the
+  pinned mirror it waits, through an external event that the graph records after its copies, for a
+  replay's copies to have left it, and those copies follow the previous step's kernels in stream order.  ``cu_seqlens_q`` (one token per row) is constant.  The KV
   and index caches are the runtime's own tensors (fixed addresses; reallocating them invalidates the
   graphs).  The top-k block lists are
   intermediate buffers of the graph, rewritten by every replay; the outputs returned by
@@ -323,21 +323,22 @@ class GraphedDecode:
         if any(n > c * PAGE_SIZE for n, c in zip(lens, counts)):
             return
         self.buffers.stage_metadata(bucket, lens, tables)  # waits for this step's uploads to have left the mirror
-        self._ahead = (bucket, lens, tables, counts, self.buffers.writes)
+        # a copy of the rows: a page changed in place (same list, same length) must not pass as predicted
+        self._ahead = (bucket, lens, [list(t) for t in tables], self.buffers.writes)
 
     def _staged_ahead(self, bucket: int) -> bool:
         """Whether the mirror holds this step's metadata: same bucket, nothing staged since, the runtime's
-        lengths as predicted and its block-table rows the same lists, unchanged in length (the runtime only
-        appends pages to a request's row or replaces the rows)."""
+        lengths as predicted and its block-table rows equal to the copy taken when staging (one C-level list
+        comparison per row)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return False
-        ahead_bucket, lens, tables, counts, writes = ahead
+        ahead_bucket, lens, rows, writes = ahead
         rt = self.runtime
         return (
             ahead_bucket == bucket
             and writes == self.buffers.writes
             and rt.seq_lens == lens
-            and len(rt.block_tables) == len(tables)
-            and all(a is b and len(a) == n for a, b, n in zip(rt.block_tables, tables, counts))
+            and len(rt.block_tables) == len(rows)
+            and all(list(a) == b for a, b in zip(rt.block_tables, rows))
         )

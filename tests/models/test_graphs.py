@@ -96,8 +96,8 @@ def test_static_buffer_decode_matches_the_runtime_path(device):
 
 def test_metadata_staged_ahead_is_used_only_while_it_matches_the_runtime():
     """A step stages the next step's metadata while it runs; the next step uses it only when the runtime is as
-    predicted (same rows, one more token each). Rows replaced between steps (same lengths, other pages) and a
-    step that takes a new page are staged afresh."""
+    predicted (same rows, one more token each). Rows replaced between steps (same lengths, other pages), a page
+    changed inside a row and a step that takes a new page are staged afresh."""
     config = MiniMaxM3Config.tiny()
     model = build_model(config, state=random_full_state(config, seed=0))
     runtime = PagedKVRuntime(model, num_blocks=12, max_blocks_per_request=3, kv_cache_dtype="auto")
@@ -121,7 +121,12 @@ def test_metadata_staged_ahead_is_used_only_while_it_matches_the_runtime():
     graphed.step([7, 8])
     assert meta.block_table[1, 0] == runtime.block_tables[1][0]
     assert meta.slot_mapping[1] == runtime.block_tables[1][0] * PAGE_SIZE + 8
-    assert len(calls) == 4
+    # a page changed inside the same row list (same length): staged afresh too
+    old_page, runtime.block_tables[1][0] = runtime.block_tables[1][0], runtime.free_pages.pop()
+    graphed.step([9, 10])
+    assert meta.block_table[1, 0] == runtime.block_tables[1][0] != old_page
+    assert meta.slot_mapping[1] == runtime.block_tables[1][0] * PAGE_SIZE + 9
+    assert len(calls) == 5
 
 
 @pytest.mark.gpu
