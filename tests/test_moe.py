@@ -149,18 +149,19 @@ def test_linear_matches_float64(target):
     torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 70])  # one token; two 64-token programs of the interpreter, the last partial
-def test_route_matches_the_reference(T):
+@pytest.mark.parametrize(("T", "k"), [(1, 3), (70, 3), (70, 8)])  # 70: two 64-token interpreter programs
+def test_route_matches_the_reference(T, k):
     """``mm3::moe_route`` against the plain-PyTorch routing: the same experts in the same order (exact), weights
-    within 2.5e-7 relative (measured 1.9e-7, 1.6 fp32 ulps, over 15 seeded problems of 1-300 tokens: the
-    kernel's sigmoid is ``1 / (1 + exp(-x))``, torch's may differ by an ulp);
-    ties go to the lower expert index and a NaN logit is routed first with NaN weights."""
-    g = torch.Generator().manual_seed(T)
+    within (k + 3) fp32 ulps relative (the sigmoid, the k-term sum in another order, the division and the scaling;
+    measured at most 4.4 / 5.7 / 4.5 ulps for k = 3 / 5 / 8 over 8 seeds of E 5-128: the kernel's sigmoid is
+    ``1 / (1 + exp(-x))``, torch's may differ by an ulp); ties go to the lower expert index and a NaN logit is
+    routed first with NaN weights."""
+    g = torch.Generator().manual_seed(T + k)
     logits, bias = torch.randn(T, 2 * E, generator=g) * 3, torch.randn(2 * E, generator=g) * 0.1
-    ids, w = torch.ops.mm3.moe_route(logits, bias, 3, 2.5)
-    ref_ids, ref_w = route_ref(logits, bias, 3, 2.5)
+    ids, w = torch.ops.mm3.moe_route(logits, bias, k, 2.5)
+    ref_ids, ref_w = route_ref(logits, bias, k, 2.5)
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), ref_ids)
-    torch.testing.assert_close(w, ref_w, rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=(k + 3) * 2.0**-24, atol=0)
     tied = torch.zeros(2, 2 * E)
     tied[1, 5] = torch.nan
     ids, w = torch.ops.mm3.moe_route(tied, torch.zeros(2 * E), 3, 1.0)
