@@ -82,6 +82,14 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(4, 6144, 6144, 128, False, sms=132).SPLIT_K == 1
     assert schedule(8192, 9856, 6144, 1, False, sms=132).SPLIT_K == 1
     assert schedule(1, 9856, 6144, 1, False).SPLIT_K == 1
+    # no split for a grouped launch over one group, and none for zero rows
+    assert schedule(1, 9856, 6144, 1, False, sms=132, splittable=False).SPLIT_K == 1
+    assert schedule(0, 9856, 6144, 1, False, sms=132).SPLIT_K == 3
+    # fp32 x: the prefill tiles keep their shape and drop stages to fit shared memory
+    for rows in (16384, 32768):
+        wide, bf16 = schedule(rows, 6144, 6144, 128, False, x_bytes=4), schedule(rows, 6144, 6144, 128, False)
+        assert (wide.BLOCK_M, wide.BLOCK_N, wide.BLOCK_K) == (bf16.BLOCK_M, bf16.BLOCK_N, bf16.BLOCK_K)
+        assert 2 <= wide.num_stages < bf16.num_stages
     for tiles, steps in [(1, 1), (1, 7), (3, 24), (96, 32), (154, 24), (500, 3)]:
         split = split_k(1, tiles, steps, 132)
         per = -(-steps // split)
@@ -536,28 +544,40 @@ from mm3_compile.kernels.moe.gemm import _mxfp8_gemm_kernel as kernel
 from mm3_compile.kernels.moe.schedule import schedule
 
 fp8 = FP8Launch(platform.fp8_format(platform.FP8_E4M3_OCP), native_load=True, native_store=NATIVE_E4M3FN)  # sm_90
+SM90_SHARED = 232448  # bytes of shared memory one program may use
 for variant in sys.argv[1:]:  # one process for every variant: an interpreter start per variant cost ~8 s
-    # the decode tile in both operand orders, and the prefill schedule of GEMM2 (MXFP8 x, the widest tile)
-    config = schedule(32768, 6144, 3072, 128, False, x_mx=True) if variant == "prefill" else None
+    # the decode tile in both operand orders; GEMM2's prefill schedule (MXFP8 x, two tiles per layout block);
+    # GEMM1's prefill schedules (256- and 128-row tiles) with fp32 x, the widest x tile; the split-k linear
+    config = {
+        "prefill": schedule(32768, 6144, 3072, 128, False, x_mx=True),
+        "prefill_fp32": schedule(32768, 6144, 6144, 128, False, x_bytes=4),
+        "mid_fp32": schedule(16384, 6144, 6144, 128, False, x_bytes=4),
+    }.get(variant)
     SWAP = variant not in ("plain", "split")
     SPLIT = variant == "split"  # the one-token linear: bf16 x, plain rows, fp32 partials over 4 k splits
+    FP32 = variant.endswith("fp32")
+    X_MX = not SPLIT and not FP32
     consts = dict(
-        GROUPED=not SPLIT, BLOCK_SPLIT=2 if config else 1, TOP_K=1, X_MX=not SPLIT, HAS_WEIGHTS=not SPLIT, HAS_SHARED=not SPLIT, ROUND_BF16=True,
-        INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16, BLOCK_N=config.BLOCK_N if config else 32,
-        SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128, SPLIT_K=4 if SPLIT else 1, K_ALIGN=16,
-        PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
-        DOT_DTYPE=tl.bfloat16,
+        GROUPED=not SPLIT, BLOCK_SPLIT=2 if variant == "prefill" else 1, TOP_K=1, X_MX=X_MX, HAS_WEIGHTS=X_MX,
+        HAS_SHARED=not SPLIT, ROUND_BF16=not FP32, INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16,
+        BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128,
+        SPLIT_K=4 if SPLIT else 1, K_ALIGN=16, PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
+        DOT_DTYPE=tl.float32 if FP32 else tl.bfloat16,
         **fp8.constexprs(),
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4, num_stages=3)
-    x_ptr = "*bf16" if SPLIT else "*fp8e4nv"
+    x_ptr = "*bf16" if SPLIT else "*fp32" if FP32 else "*fp8e4nv"
     pointers = (x_ptr, "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
     signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 5))
     signature.update(dict.fromkeys(consts, "constexpr"))
     constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    print(variant, "MMA" if "mma" in ptx else "NO-MMA")
+    # pointers 16-byte aligned, as the launcher specialises them: without it nothing is pipelined (a fraction of
+    # the shared memory the launch needs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    fits = "FITS" if compiled.metadata.shared <= SM90_SHARED else f"SHARED-{compiled.metadata.shared}"
+    print(variant, "MMA" if "mma" in compiled.asm["ptx"] else "NO-MMA", fits)
 """
 
 
@@ -565,11 +585,13 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
     """The interpreter runs what the GPU compiler refuses (a module global read in a jit function, an int fill of
     a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
     ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
-    only): the decode tile in both operand orders, GEMM2's prefill schedule and the split-k linear."""
-    variants = ["plain", "swap", "prefill", "split"]
+    only): the decode tile in both operand orders, GEMM2's prefill schedule, GEMM1's two prefill schedules with
+    fp32 x (their stages cut to fit) and the split-k linear, each within sm_90's shared memory per program."""
+    variants = ["plain", "swap", "prefill", "prefill_fp32", "mid_fp32", "split"]
     proc = run_python(SM90_COMPILE, *variants, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # a tensor-core dot on the dequantized tiles of every variant
-    assert proc.stdout.split() == [word for v in variants for word in (v, "MMA")], proc.stdout
+    # a tensor-core dot on the dequantized tiles of every variant but fp32 x (exact fp32 dots, no tensor cores)
+    dots = ["NO-MMA" if v.endswith("fp32") else "MMA" for v in variants]
+    assert proc.stdout.split() == [word for v, dot in zip(variants, dots) for word in (v, dot, "FITS")], proc.stdout

@@ -76,6 +76,8 @@ def schedule(
     interpreting: bool,
     x_mx: bool = False,
     sms: int | None = None,
+    x_bytes: int = 2,
+    splittable: bool = True,
 ) -> GemmConfig:
     """Tiles for ``rows`` (token, expert) pairs through ``num_experts`` weights of ``[n, k]``.
 
@@ -88,6 +90,8 @@ def schedule(
         x_mx: x is an MXFP8 activation (GEMM2), dequantized in registers like the weight.
         sms: the device's SM count; the one-expert linear splits k over programs when its column tiles are too
             few to fill them (None: no split).
+        x_bytes: bytes per element of a float x (fp32 x: fewer pipeline stages fit in shared memory).
+        splittable: False for a grouped launch (one group is still grouped: no split k).
 
     Returns:
         A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
@@ -106,13 +110,13 @@ def schedule(
         return dataclasses.replace(INTERPRETER, BLOCK_N=min(INTERPRETER.BLOCK_N, max(16, triton.next_power_of_2(n))))
     rows_per_expert = None if rows is None else rows / max(1, min(num_experts, rows))
     if rows_per_expert is not None and rows_per_expert >= 64:
-        return _prefill(rows_per_expert, x_mx)
+        return _fit_stages(_prefill(rows_per_expert, x_mx), 1 if x_mx else x_bytes)
     # 64 columns per program streamed the weights fastest at 1 and 32 tokens, for 4 experts and for one
     # (wider tiles leave too few loads in flight per SM, narrower ones pay their per-step overhead on half
     # the bytes), even where the grid leaves SMs idle: one expert's 96 programs beat 192 of 32 columns 2x
     block_n = min(64, max(16, triton.next_power_of_2(n)))
-    if num_experts == 1 and sms is not None:
-        row_blocks = 1 if rows is None else -(-rows // 16)
+    if num_experts == 1 and sms is not None and splittable:
+        row_blocks = 1 if rows is None else max(1, -(-rows // 16))
         split = split_k(row_blocks, -(-n // block_n), -(-k // SPLIT_BLOCK_K), sms)
         if split > 1:
             # H200, M3 qkv / o at 1 token 31.7 -> 27.3 / 24.2 -> 22.4 us, at 32 tokens 46.9 -> 43.1 / 39.7 -> 37.6 us
@@ -149,6 +153,21 @@ def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
         # pay here (7.78 vs 7.98 ms)
         return GemmConfig(128, 256, 128, 8, 3, SWAP_AB=True)
     return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)  # 10.50 -> 7.95 ms
+
+
+# shared memory the pipelined operand tiles of a prefill program may take (sm_90 allows 227 KB per program;
+# the rest is left to the epilogue and the compiler's own buffers)
+STAGE_BUDGET = 200 * 1024
+
+
+def _fit_stages(config: GemmConfig, x_bytes: int) -> GemmConfig:
+    """The config with as many of its stages as fit ``STAGE_BUDGET``: an x tile of ``x_bytes`` per element and
+    an FP8 weight tile per stage (fp32 x doubles the x tile of the bf16 configs, which were sized for it)."""
+    per_stage = config.BLOCK_M * config.BLOCK_K * x_bytes + config.BLOCK_N * config.BLOCK_K
+    stages = config.num_stages
+    while stages > 2 and stages * per_stage > STAGE_BUDGET:
+        stages -= 1
+    return dataclasses.replace(config, num_stages=stages)
 
 
 def num_blocks(rows, num_experts: int, block_m: int):

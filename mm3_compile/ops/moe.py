@@ -42,14 +42,23 @@ def _contiguous_as(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return torch.as_strided(t.contiguous(), shape, tuple(reversed(strides)))
 
 
-def gemm_schedule(rows, n: int, k: int, num_experts: int, device: torch.device, x_mx: bool = False):
+def gemm_schedule(
+    rows,
+    n: int,
+    k: int,
+    num_experts: int,
+    device: torch.device,
+    x_mx: bool = False,
+    x_bytes: int = 2,
+    splittable: bool = True,
+):
     """The GEMM tiles for ``rows`` pairs (a size hint under tracing: one config per graph)."""
     sms = (
         sm_count(device.index if device.index is not None else torch.cuda.current_device())
         if device.type == "cuda"
         else None
     )
-    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx, sms)
+    return schedule(size_hint(rows), n, k, num_experts, platform.interpreting(), x_mx, sms, x_bytes, splittable)
 
 
 def _check_weight(values: torch.Tensor, scales: torch.Tensor, ndim: int, prefix: str = "") -> None:
@@ -293,7 +302,10 @@ def mxfp8_grouped_gemm(
     N, K = w_values.shape[1], w_values.shape[2]
     shared = None if shared_values is None else (shared_values, shared_scales.view(torch.uint8))
     groups = w_values.shape[0] + (shared is not None)
-    config = gemm_schedule(x.shape[0] * top_k, N, K, groups, x.device, x_scales is not None)
+    # a grouped launch never splits k, even over one group
+    config = gemm_schedule(
+        x.shape[0] * top_k, N, K, groups, x.device, x_scales is not None, x.element_size(), splittable=False
+    )
     if block_m % config.BLOCK_M != 0:  # the schedule's row tile runs over the layout when it divides its blocks
         config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
@@ -375,7 +387,7 @@ def mxfp8_linear(
     N, K = values.shape
     x2 = x.reshape(-1, K).contiguous()
     xs = None if x_scales is None else x_scales.view(torch.uint8).reshape(-1, K // MX_BLOCK_SIZE).contiguous()
-    config = gemm_schedule(x2.shape[0], N, K, 1, x.device, xs is not None)
+    config = gemm_schedule(x2.shape[0], N, K, 1, x.device, xs is not None, x2.element_size())
     fmt = platform.fp8_format(values.dtype)
     out_dtype = x.dtype if x_scales is None else torch.bfloat16
     with eager_launches():
