@@ -445,6 +445,10 @@ def test_fp8_index_cache(target, device):
         assert torch.equal(out.cpu(), index_topk_ref(*cpu, 5, 1, 1, index_k_scale=scale))
         with pytest.raises(ValueError, match="index_k_scale: expected one scale per slot"):
             torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1, "fp8", scale[:-1].to(device))
+        # read as ptr + slot: a strided or expanded scale vector is refused, never read past its storage
+        for strided in (scale.repeat(2)[::2], scale[:1].expand(scale.shape[0])):
+            with pytest.raises(ValueError, match="index_k_scale: expected a contiguous 1-D tensor"):
+                torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1, "fp8", strided.to(device))
         with pytest.raises(TypeError, match="index_k_cache: expected the dtype of index_q"):
             torch.ops.mm3.index_topk(index_q, k8, block_table, cu, seq_lens, 5, 0, 1)
         other = platform.FP8_E4M3_OCP if fp8 == platform.FP8_E4M3_FNUZ else platform.FP8_E4M3_FNUZ

@@ -141,9 +141,26 @@ def test_half_cache_matches_reference(dtype, layout, head_dim, device):
     key = wide_values((num_tokens, num_heads, head_dim), dtype, device, 1)
     value = wide_values((num_tokens, num_heads, head_dim), dtype, device, 2)
     cache = make_cache(num_blocks, num_heads, head_dim, layout, dtype, device)
-    # Scales only apply to FP8 caches: a bf16/fp16 cache stores the values as they are.
+    slots = make_slots(num_tokens, num_blocks, device, 3)
+    run_and_check(key, value, cache, slots, "auto", None, None, None)  # stored as they are
+    # scales only apply to FP8 caches: given with a half cache they are refused, not silently ignored
     k_scale, v_scale = make_scales("scalar", num_heads, num_blocks * 128, device, 0)
-    run_and_check(key, value, cache, make_slots(num_tokens, num_blocks, device, 3), "auto", k_scale, v_scale, None)
+    with pytest.raises(ValueError, match="k_scale/v_scale: scales are only applied when storing into an FP8 cache"):
+        torch.ops.mm3.kv_cache_write(key, value, cache, slots, "auto", k_scale, v_scale)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, float("inf"), float("nan")])
+def test_write_scales_must_be_positive_finite(bad, device, monkeypatch):
+    """A cache write stores key / scale: a zero, negative or non-finite scale is refused (a zero saturated every
+    stored value, a negative one flipped signs), where index values are checked."""
+    monkeypatch.setenv("MM3_VALIDATE", "1")
+    with platform.emulate("sm_90"):
+        cache = make_cache(2, 2, 64, "HND", torch.uint8, device)
+        key = torch.randn(3, 2, 64, device=device, dtype=torch.bfloat16)
+        slots = torch.tensor([0, 1, 2], dtype=torch.int64, device=device)
+        good = torch.tensor([0.5], device=device)
+        with pytest.raises(ValueError, match="v_scale: expected positive finite scales"):
+            torch.ops.mm3.kv_cache_write(key, key, cache, slots, "fp8", good, torch.tensor([bad], device=device))
 
 
 def test_all_padding_leaves_cache_untouched(device):

@@ -2,7 +2,7 @@
 
 Shapes, dtypes, devices and strides are checked on every call (also in the fakes, so a compiled
 caller fails at trace time).  The *values* of the index tensors (``cu_seqlens_q``, ``seq_lens``,
-``block_table``, ``slot_mapping``) are checked where reading them is free or asked for: calls on
+``block_table``, ``slot_mapping``, ``topk_idx``) are checked where reading them is free or asked for: calls on
 CPU tensors by default, calls on GPU tensors with ``MM3_VALIDATE=1`` (one device sync per call);
 ``MM3_VALIDATE=0`` turns them off everywhere.  They are skipped while tracing and during CUDA-graph
 capture, so GPU graphs whose ops Inductor lowered to our kernels never check them; a compiled graph
@@ -45,6 +45,16 @@ def check_index_vector(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a contiguous 1-D tensor (stride 1), got strides {tuple(t.stride())}")
 
 
+def check_scale_values(name: str, scales: torch.Tensor) -> None:
+    """Scales a cache write divides by must be positive and finite: 0 saturates every stored value and a
+    negative one flips signs (the attention ops apply any scale as given, their contract)."""
+    values = scales.detach().cpu().flatten()
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{name}: expected positive finite scales, got {float(values[i])} at flat index {i}")
+
+
 def check_finite(name: str, value: float) -> None:
     if not math.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {value}")
@@ -84,6 +94,19 @@ def check_request_values(
         raise ValueError(
             f"block_table: request {r}, block {b} maps to page {int(block_table[r, b])}, outside the cache's "
             f"{num_blocks} pages"
+        )
+
+
+def check_topk_values(topk_idx: torch.Tensor) -> None:
+    """Selected block ids: -1 marks an unused slot and ids past a token's own block (past the table included)
+    are ignored by the kernels (causality); an id below -1 names no block and is an error, never dropped."""
+    ids = topk_idx.cpu()
+    bad = ids < -1
+    if bad.any():
+        h, t, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"topk_idx: KV head {h}, token {t}, slot {j} names block {int(ids[h, t, j])}; expected -1 (unused) "
+            "or a block index >= 0"
         )
 
 

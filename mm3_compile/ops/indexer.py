@@ -77,6 +77,7 @@ def _check_index_topk(
     cache, fmt = _resolve_index_cache(index_q, index_k_cache, index_cache_dtype)
     if index_k_scale is not None:
         check_tensor("index_k_scale", index_k_scale, dtypes=(torch.float32,), ndim=1)
+        check_index_vector("index_k_scale", index_k_scale)  # read as ptr + slot
         if index_k_scale.shape[0] != index_k_cache.shape[0] * PAGE_SIZE:
             raise ValueError(
                 f"index_k_scale: expected one scale per slot, [num_blocks * {PAGE_SIZE}] = "

@@ -17,6 +17,7 @@ from mm3_compile.ops._checks import (
     check_index_vector,
     check_last_dim_contiguous,
     check_same_device,
+    check_scale_values,
     check_tensor,
     values_checked,
 )
@@ -68,6 +69,14 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
             f"got {key.dtype}"
         )
     scale_mode = kv_scale_mode(k_scale, v_scale, num_heads, kv_cache.shape[0] * PAGE_SIZE, key.device)
+    if k_scale is not None:
+        if fmt is None:
+            raise ValueError(
+                f"k_scale/v_scale: scales are only applied when storing into an FP8 cache, got a {cache.dtype} cache"
+            )
+        if values_checked(k_scale, v_scale):
+            check_scale_values("k_scale", k_scale)
+            check_scale_values("v_scale", v_scale)
     if values_checked(slot_mapping) and (slot_mapping >= kv_cache.shape[0] * PAGE_SIZE).any():
         raise ValueError(
             f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {kv_cache.shape[0]} pages of "
@@ -92,14 +101,15 @@ def kv_cache_write(
     checked (see ``mm3_compile.ops._checks``) and is never written.
     FP8 specs store ``x / scale`` (scalar or per (head, slot) ``[Hkv, num_blocks*128]``) rounded to
     nearest-even and saturated, in the flavour the authority gives for the cache's device.
-    bf16/fp16 caches store key/value unchanged (same dtype required; scales are not applied).
+    bf16/fp16 caches store key/value unchanged (same dtype required; scales are refused).
 
     Args:
         key, value: ``[T, Hkv, D]`` in the model dtype.
         kv_cache: ``[num_blocks, Hkv, 128, 2D]`` (HND, or an NHD buffer's permuted view), mutated in place:
             the model dtype, an FP8 dtype, or uint8 bytes of the FP8 dtype the spec resolves to.
-        slot_mapping: ``[T]`` int32/int64 cache slots, ``< 0`` skipped.
-        kv_cache_dtype: ``"auto"``/``"model"`` (store as is), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        slot_mapping: ``[T]`` int64 cache slots, ``< 0`` skipped.
+        kv_cache_dtype: ``"auto"`` (store as is), ``"bfloat16"``, ``"float16"``, ``"fp8"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``.
         k_scale, v_scale: optional fp32 dequant scales, ``[1]`` or ``[Hkv, num_blocks * 128]`` (FP8 specs only).
 
     Returns:

@@ -20,6 +20,7 @@ from mm3_compile.ops._checks import (
     check_request_values,
     check_same_device,
     check_tensor,
+    check_topk_values,
     values_checked,
 )
 from mm3_compile.ops._kv import kv_scale_mode, resolve_cache_view
@@ -66,6 +67,12 @@ def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cac
         )
     view, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, q.dtype)
     scale_mode = kv_scale_mode(k_scale, v_scale, Hkv, num_blocks * PAGE_SIZE, q.device)
+    if k_scale is not None:
+        if fmt is None:
+            raise ValueError(
+                f"k_scale/v_scale: scales are only read from an FP8 cache (kv_cache_dtype 'fp8'), got a "
+                f"{view.dtype} cache"
+            )
     return view, fmt, scale_mode
 
 
@@ -82,9 +89,10 @@ def _check_prefill(
         )
     if guard_or_false(seq_lens.shape[0] == 0) and guard_or_false(q.shape[0] != 0):
         raise ValueError(f"seq_lens: a prefill of total_q={q.shape[0]} tokens needs at least one request, got 0")
-    if values_checked(block_table, cu_seqlens_q, seq_lens):
+    if values_checked(block_table, cu_seqlens_q, seq_lens, topk_idx):
         q_lens = check_cu_seqlens_values(cu_seqlens_q, q.shape[0])
         check_request_values(block_table, seq_lens, q_lens, kv_cache.shape[0])
+        check_topk_values(topk_idx)
     return checked
 
 
@@ -96,9 +104,10 @@ def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cac
             f"q: uniform decode needs total_q ({total_q}) to be a positive multiple of num_reqs ({num_reqs}, "
             "the length of seq_lens)"
         )
-    if values_checked(block_table, seq_lens):
+    if values_checked(block_table, seq_lens, topk_idx):
         q_lens = torch.full_like(seq_lens, total_q // num_reqs)
         check_request_values(block_table, seq_lens, q_lens, kv_cache.shape[0])
+        check_topk_values(topk_idx)
     return checked
 
 

@@ -124,12 +124,25 @@ def test_prefill_tokens_outside_the_requests_are_zero(schedule, device, monkeypa
     assert_close(out, case.reference(), torch.bfloat16)
 
 
-def test_scales_ignored_for_bf16_cache(device):
+def test_scales_refused_for_bf16_cache(device):
+    """K/V scales are only read from an FP8 cache: given with a bf16 cache they are an error, not ignored."""
     case = build(device, [(200, 1), (150, 1)])
     scales = torch.tensor([4.0], device=device)
-    plain = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
     args = case.decode_args()[:7] + (scales, scales)
-    assert torch.equal(torch.ops.mm3.sparse_attn_decode(*args), plain)
+    with pytest.raises(ValueError, match="k_scale/v_scale: scales are only read from an FP8 cache"):
+        torch.ops.mm3.sparse_attn_decode(*args)
+
+
+def test_block_ids_below_minus_one_are_refused(device, monkeypatch):
+    """-1 marks an unused slot; an id below it names no block: an error where index values are checked."""
+    monkeypatch.setenv("MM3_VALIDATE", "1")  # GPU calls check values only when asked
+    case = build(device, [(200, 1), (150, 1)])
+    bad = case.topk_idx.clone()
+    bad[0, 1, 0] = -5
+    args = list(case.decode_args())
+    args[2] = bad
+    with pytest.raises(ValueError, match="topk_idx: KV head 0, token 1, slot 0 names block -5"):
+        torch.ops.mm3.sparse_attn_decode(*args)
 
 
 @OP_SCHEDULES
