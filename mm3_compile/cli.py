@@ -285,7 +285,7 @@ def _demo_model(args, device: str) -> DemoModel:
                 raise ValueError(f"--layers {args.layers}: the checkpoint has {config.num_hidden_layers} layers")
             config = dataclasses.replace(config, num_hidden_layers=args.layers)
         status(f"loading {args.checkpoint} ({config.num_hidden_layers} layers)")
-        model = load_checkpoint(config, args.checkpoint, device=device)
+        model = load_checkpoint(config, args.checkpoint, device=device, truncate_layers=args.layers is not None)
         state = full_state_from_checkpoint(args.checkpoint, config)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--checkpoint {args.checkpoint}: {e}") from None

@@ -109,6 +109,16 @@ def test_a_failed_check_fails_the_demo(monkeypatch, capsys):
     assert "PASS: all 2 checks passed" in capsys.readouterr().out
 
 
+def test_layers_loads_the_first_layers_of_a_checkpoint(tmp_path):
+    """``--layers N`` loads the first N decoder layers (the checkpoint's others are reported as skipped)."""
+    config = MiniMaxM3Config.tiny()
+    write_checkpoint(tmp_path, random_full_state(config, seed=5), config)
+    args = cli._parse(["demo", "--device", "cpu", "--checkpoint", str(tmp_path), "--layers", "1"])
+    demo = cli._demo_model(args, "cpu")
+    assert demo.config.num_hidden_layers == 1 and len(demo.model.layers) == 1
+    assert any("model.layers.1." in n for n in demo.model.checkpoint_report.skipped)
+
+
 @pytest.mark.interpreter
 def test_demo_runs_a_release_checkpoint_and_passes(tmp_path, capsys):
     """The main job end to end from a checkpoint directory (aot_eager; ~3 min on the CPU interpreter)."""
@@ -120,7 +130,9 @@ def test_demo_runs_a_release_checkpoint_and_passes(tmp_path, capsys):
     out = captured.out
     assert "PASS: all" in out and "FAIL" not in out
     flat = " ".join(out.split())  # the report wraps long values
-    assert "40 MXFP8 linears as stored, 0 quantized at load" in flat and "2 skipped (MTP/vision)" in flat
+    assert (
+        "40 MXFP8 linears as stored, 0 quantized at load" in flat and "2 skipped (MTP/vision/truncated layers)" in flat
+    )
     assert max(len(line) for line in out.splitlines()) <= cli.REPORT_WIDTH
     err = captured.err.splitlines()  # not a terminal: one line per step, status lines before the long parts
     assert any(line.startswith("eager    step 1/2 prefill") for line in err)

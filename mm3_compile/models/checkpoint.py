@@ -73,8 +73,9 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class LoadReport:
-    """What a load read: checkpoint tensor names loaded, skipped (MTP, vision, layers past the model's
-    ``num_hidden_layers``) and unexpected (only when ``strict=False``; otherwise they raise)."""
+    """What a load read: checkpoint tensor names loaded, skipped (MTP, vision, and with ``truncate_layers`` the
+    layers past the model's ``num_hidden_layers``) and unexpected (only when ``strict=False``; otherwise they
+    raise)."""
 
     loaded: list[str]
     skipped: list[str]
@@ -85,7 +86,7 @@ class LoadReport:
     def summary(self) -> str:
         return (
             f"{len(self.loaded)} tensors loaded ({self.stored_mxfp8} MXFP8 linears as stored, {self.quantized} "
-            f"quantized at load), {len(self.skipped)} skipped (MTP/vision), {len(self.unexpected)} unexpected"
+            f"quantized at load), {len(self.skipped)} skipped (MTP/vision/truncated layers), {len(self.unexpected)} unexpected"
         )
 
 
@@ -334,14 +335,25 @@ def _layout(names) -> tuple[str, str]:
     return "model.", "lm_head.weight"
 
 
-def _skipped(name: str, prefix: str, num_layers: int) -> bool:
-    """MTP modules, vision weights (outside ``language_model.`` in the VL form), layers past the model's."""
+def _skipped(name: str, prefix: str) -> bool:
+    """MTP modules and vision weights (outside ``language_model.`` in the VL form)."""
     if re.match(r"(language_model\.)?model\.mtp\.|mtp\.", name):
         return True
-    if prefix.startswith("language_model.") and not name.startswith("language_model."):
-        return True
+    return prefix.startswith("language_model.") and not name.startswith("language_model.")
+
+
+def _layer_past(name: str, prefix: str, num_layers: int) -> int | None:
+    """The decoder layer a tensor belongs to when it is past the model's ``num_layers``, else None."""
     m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= num_layers
+    return int(m.group(1)) if m is not None and int(m.group(1)) >= num_layers else None
+
+
+def _refuse_unexpected(path, unexpected: list[str], strict: bool) -> None:
+    if unexpected and strict:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)!r}: {len(unexpected)} unexpected tensors: {_names(unexpected)} "
+            "(strict=False loads anyway)"
+        )
 
 
 def load_checkpoint(
@@ -352,6 +364,7 @@ def load_checkpoint(
     device="cpu",
     dtype: torch.dtype = torch.bfloat16,
     strict: bool = True,
+    truncate_layers: bool = False,
 ) -> MiniMaxM3ForCausalLM:
     """Load a release-layout checkpoint directory into a model (this rank's shard under TP).
 
@@ -361,6 +374,8 @@ def load_checkpoint(
         path: the checkpoint directory (``config.json``, ``*.safetensors``, ``model.safetensors.index.json``).
         group: the tensor-parallel process group (None: no parallelism); with a model, it must be the model's.
         strict: tensors the model does not use (other than MTP/vision) raise; False lists them in the report.
+        truncate_layers: load the first ``num_hidden_layers`` decoder layers of a checkpoint that has more (the
+            CLI's ``--layers``); otherwise layers past the config's are an error, never silently dropped.
     Returns:
         The model (eval mode), with the :class:`LoadReport` as ``model.checkpoint_report``.
     Raises:
@@ -384,18 +399,27 @@ def load_checkpoint(
         missing = expected - available
         if missing:
             raise CheckpointError(f"checkpoint {os.fspath(path)!r}: missing {len(missing)} tensors: {_names(missing)}")
-        skipped = sorted(n for n in available - expected if _skipped(n, prefix, cfg.num_hidden_layers))
+        past = {n: _layer_past(n, prefix, cfg.num_hidden_layers) for n in available - expected}
+        past = {n: i for n, i in past.items() if i is not None}
+        if past and not truncate_layers:
+            layers = sorted(set(past.values()))
+            raise CheckpointError(
+                f"checkpoint {os.fspath(path)!r}: tensors of decoder layers {layers[0]}..{layers[-1]}, past the "
+                f"config's num_hidden_layers={cfg.num_hidden_layers} (truncate_layers=True loads the first "
+                f"{cfg.num_hidden_layers}), e.g. {_names(past, 3)}"
+            )
+        skipped = sorted(set(past) | {n for n in available - expected if _skipped(n, prefix)})
         scales = {n for n in available if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + ".weight" in expected}
         unexpected = sorted(available - expected - scales - set(skipped))
-        if unexpected and strict:
-            raise CheckpointError(
-                f"checkpoint {os.fspath(path)!r}: {len(unexpected)} unexpected tensors: {_names(unexpected)} "
-                "(strict=False loads anyway)"
-            )
+        _refuse_unexpected(path, unexpected, strict)
         loader = _Loader(model, reader, prefix, lm_head)
         loader.outer()
         for i in range(cfg.num_hidden_layers):
             loader.layer(i)
+        # a scale beside a weight the model reads unquantized (a norm, the embedding, the router) is not used
+        unused = sorted(scales - set(loader.loaded))
+        _refuse_unexpected(path, unused, strict)
+        unexpected += unused
     model.checkpoint_report = LoadReport(loader.loaded, skipped, unexpected, loader.stored, loader.quantized)
     log.info("loaded %s: %s", os.fspath(path), model.checkpoint_report.summary())
     return model.eval()

@@ -4,6 +4,7 @@ A tiny synthetic checkpoint with the release's names and layout (tests/models/re
 compared bit for bit with the same weights loaded through the in-memory path (``build_model(state=...)``).
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -193,6 +194,29 @@ def test_missing_unexpected_and_mistyped_tensors_are_named(state, tmp_path):
     write_checkpoint(tmp_path / "shape", state, CONFIG, extra={k: torch.zeros(64, 128, dtype=platform.FP8_E4M3_OCP)})
     with pytest.raises(CheckpointError, match=rf"{k}: expected shape \[128, 128\], got \[64, 128\]"):
         load_checkpoint(CONFIG, tmp_path / "shape")
+
+
+def test_layers_past_the_config_raise_unless_truncated(state, tmp_path):
+    """A checkpoint with more decoder layers than its config is an error (it was loaded short and the layers
+    reported as MTP/vision); ``truncate_layers`` (the CLI's ``--layers``) loads the first ones."""
+    write_checkpoint(tmp_path, state, CONFIG)
+    fewer = dataclasses.replace(CONFIG, num_hidden_layers=CONFIG.num_hidden_layers - 1)
+    last = CONFIG.num_hidden_layers - 1
+    with pytest.raises(CheckpointError, match=rf"decoder layers {last}\.\.{last}, past the config's num_hidden_layers"):
+        load_checkpoint(fewer, tmp_path)
+    report = load_checkpoint(fewer, tmp_path, truncate_layers=True).checkpoint_report
+    in_last = f"model.layers.{last}."
+    assert any(in_last in n for n in report.skipped) and not any(in_last in n for n in report.loaded)
+    assert not report.unexpected
+
+
+def test_scales_beside_unquantized_weights_are_unexpected(state, tmp_path):
+    """A ``weight_scale_inv`` beside a weight the model reads unquantized (a norm) is not used: unexpected."""
+    stray = {"language_model.model.layers.0.input_layernorm.weight_scale_inv": torch.zeros(1, dtype=torch.uint8)}
+    write_checkpoint(tmp_path, state, CONFIG, extra=stray)
+    with pytest.raises(CheckpointError, match=r"1 unexpected tensors: .*input_layernorm\.weight_scale_inv"):
+        load_checkpoint(CONFIG, tmp_path)
+    assert load_checkpoint(CONFIG, tmp_path, strict=False).checkpoint_report.unexpected == list(stray)
 
 
 @pytest.mark.interpreter
