@@ -134,7 +134,8 @@ def load(path: str | os.PathLike, device: torch.device | str | None = None):
 
     Args:
         path: a package written by :func:`package`.
-        device: where to run it; default: the device type it was compiled for.
+        device: where to run it, of the device type it was compiled for (another type is refused); default:
+            that type.
 
     Returns:
         The loaded model, called with the exported program's inputs.
@@ -144,7 +145,12 @@ def load(path: str | os.PathLike, device: torch.device | str | None = None):
         >>> outputs = step(*args)  # doctest: +SKIP
     """
     metadata = package_metadata(path, "model")
-    device = torch.device(device if device is not None else metadata.get("AOTI_DEVICE_KEY", "cpu"))
+    built_for = torch.device(metadata.get("AOTI_DEVICE_KEY", "cpu")).type
+    device = torch.device(device if device is not None else built_for)
+    if device.type != built_for:
+        # the package's kernels run where they were compiled for whatever device is asked (only an index is
+        # passed on): a CUDA package asked to run on the CPU would still run on the GPU
+        raise ValueError(f"device: the package was compiled for {built_for}, got {device}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {device}: the package runs on a GPU and none is available here")
     check_platform(metadata, device)

@@ -155,6 +155,8 @@ def test_deploy_package_stamp_is_checked_before_loading(tmp_path):
     with platform.emulate("gfx942"):
         torch.testing.assert_close(deploy.load(path, "cpu")(x), AtenOnly()(x))
         torch.testing.assert_close(deploy.load(path)(x), AtenOnly()(x))  # default: the package's own device
+        with pytest.raises(ValueError, match="device: the package was compiled for cpu, got meta"):
+            deploy.load(path, "meta")  # another device type: refused, not run on the package's own
     with pytest.raises(ValueError, match="no AOTInductor model 'model'"):
         with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:
             archive.writestr("model/weights.bin", b"")

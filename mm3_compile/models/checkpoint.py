@@ -361,8 +361,8 @@ def load_checkpoint(
     path: str | os.PathLike,
     group=None,
     *,
-    device="cpu",
-    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    dtype: torch.dtype | None = None,
     strict: bool = True,
     truncate_layers: bool = False,
 ) -> MiniMaxM3ForCausalLM:
@@ -370,7 +370,7 @@ def load_checkpoint(
 
     Args:
         model_or_config: a :class:`MiniMaxM3ForCausalLM` to fill, or a config to build one for (``device``,
-            ``dtype``, ``group`` then apply).
+            default CPU, ``dtype``, default bf16, and ``group`` then apply; with a model they must be its own).
         path: the checkpoint directory (``config.json``, ``*.safetensors``, ``model.safetensors.index.json``).
         group: the tensor-parallel process group (None: no parallelism); with a model, it must be the model's.
         strict: tensors the model does not use (other than MTP/vision) raise; False lists them in the report.
@@ -385,11 +385,20 @@ def load_checkpoint(
         >>> model = load_checkpoint(config, path, device="cuda")
     """
     if isinstance(model_or_config, MiniMaxM3Config):
-        model = MiniMaxM3ForCausalLM(model_or_config, TPInfo.from_group(group), dtype, device)
+        model = MiniMaxM3ForCausalLM(
+            model_or_config, TPInfo.from_group(group), dtype or torch.bfloat16, device if device is not None else "cpu"
+        )
     else:
         model = model_or_config
         if group is not None and model.tp.group is not group:
             raise ValueError("group: the model was built for another tensor-parallel group")
+        if device is not None:
+            wanted, have = torch.device(device), model.device
+            same_index = None in (wanted.index, have.index) or wanted.index == have.index
+            if wanted.type != have.type or not same_index:
+                raise ValueError(f"device: the model to fill is on {have}, got {device} (it is not moved)")
+        if dtype is not None and dtype != model.dtype:
+            raise ValueError(f"dtype: the model to fill holds {model.dtype}, got {dtype} (it is not converted)")
     cfg = model.config
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, stack)

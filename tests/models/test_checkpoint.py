@@ -210,6 +210,17 @@ def test_layers_past_the_config_raise_unless_truncated(state, tmp_path):
     assert not report.unexpected
 
 
+def test_a_model_to_fill_keeps_its_device_and_dtype(state, tmp_path):
+    """With a model, ``device`` and ``dtype`` must be the model's own: they were silently ignored."""
+    write_checkpoint(tmp_path, state, CONFIG)
+    model = build_model(CONFIG, state=state)
+    with pytest.raises(ValueError, match="device: the model to fill is on cpu, got meta"):
+        load_checkpoint(model, tmp_path, device="meta")
+    with pytest.raises(ValueError, match="dtype: the model to fill holds torch.bfloat16, got torch.float16"):
+        load_checkpoint(model, tmp_path, dtype=torch.float16)
+    assert load_checkpoint(model, tmp_path, device="cpu", dtype=torch.bfloat16) is model
+
+
 def test_scales_beside_unquantized_weights_are_unexpected(state, tmp_path):
     """A ``weight_scale_inv`` beside a weight the model reads unquantized (a norm) is not used: unexpected."""
     stray = {"language_model.model.layers.0.input_layernorm.weight_scale_inv": torch.zeros(1, dtype=torch.uint8)}
