@@ -174,10 +174,13 @@ class MiniMaxM3Config:
                 f"config: model_type {model_type!r} is not supported; expected 'minimax_m3_vl' or 'minimax_m3_text'"
             )
 
-        def need(key):
-            if key not in hf:
-                raise ValueError(f"config: missing key {key!r}")
-            return hf[key]
+        def need(key, kind=int, where=hf, prefix=""):
+            if key not in where:
+                raise ValueError(f"config: missing key {prefix + key!r}")
+            return _typed(prefix + key, where[key], kind)
+
+        def get(key, default, kind):
+            return _typed(key, hf[key], kind) if key in hf else default
 
         def expect(key, allowed, default=None):
             value = hf.get(key, default)
@@ -193,20 +196,26 @@ class MiniMaxM3Config:
         _check_quantization(quant)
         layers = need("num_hidden_layers")
         head_dim = need("head_dim")
-        if "rotary_dim" in hf:
-            rotary_dim = hf["rotary_dim"]
-        elif "partial_rotary_factor" in hf:
-            rotary_dim = head_dim * hf["partial_rotary_factor"]
-            if rotary_dim != int(rotary_dim):
+        from_factor = None
+        if "partial_rotary_factor" in hf:
+            from_factor = head_dim * need("partial_rotary_factor", float)
+            if from_factor != int(from_factor):
                 raise ValueError(
                     f"config: partial_rotary_factor {hf['partial_rotary_factor']} x head_dim {head_dim} is not an integer"
                 )
-            rotary_dim = int(rotary_dim)
+            from_factor = int(from_factor)
+        if "rotary_dim" in hf:
+            rotary_dim = need("rotary_dim")
+            if from_factor is not None and from_factor != rotary_dim:
+                raise ValueError(
+                    f"config: rotary_dim {rotary_dim} and partial_rotary_factor {hf['partial_rotary_factor']} x "
+                    f"head_dim {head_dim} = {from_factor} disagree"
+                )
+        elif from_factor is not None:
+            rotary_dim = from_factor
         else:
             raise ValueError("config: missing key 'rotary_dim' (or 'partial_rotary_factor')")
-        sparse = need("sparse_attention_config")
-        if not isinstance(sparse, dict):
-            raise TypeError(f"config: sparse_attention_config: expected a dict, got {type(sparse).__name__}")
+        sparse = need("sparse_attention_config", dict)
         for key, allowed in (("sparse_score_type", ("max",)), ("sparse_disable_index_value", (True,))):
             if sparse.get(key) not in allowed:
                 raise ValueError(
@@ -214,9 +223,7 @@ class MiniMaxM3Config:
                 )
 
         def need_sparse(key):  # no defaults: vLLM's would differ from the release's (sparse_local_block 0 vs 1)
-            if key not in sparse:
-                raise ValueError(f"config: missing key 'sparse_attention_config.{key}'")
-            return sparse[key]
+            return need(key, int, sparse, "sparse_attention_config.")
 
         moe = _layer_pattern(hf.get("moe_layer_freq"), layers, "moe_layer_freq")
         attn = _layer_pattern(
@@ -232,7 +239,7 @@ class MiniMaxM3Config:
             raise ValueError(
                 "config: moe_layer_freq: expected dense layers first then only MoE layers, got " + str(moe)
             )
-        shared = hf.get("n_shared_experts", 0)
+        shared = get("n_shared_experts", 0, int)
         return cls(
             hidden_size=need("hidden_size"),
             num_hidden_layers=layers,
@@ -242,8 +249,8 @@ class MiniMaxM3Config:
             num_key_value_heads=need("num_key_value_heads"),
             head_dim=head_dim,
             rotary_dim=rotary_dim,
-            rope_theta=float(need("rope_theta")),
-            rms_norm_eps=float(need("rms_norm_eps")),
+            rope_theta=need("rope_theta", float),
+            rms_norm_eps=need("rms_norm_eps", float),
             sparse_block_size=need_sparse("sparse_block_size"),
             sparse_topk_blocks=need_sparse("sparse_topk_blocks"),
             sparse_init_blocks=need_sparse("sparse_init_block"),
@@ -252,15 +259,15 @@ class MiniMaxM3Config:
             index_head_dim=need_sparse("sparse_index_dim"),
             num_experts=need("num_local_experts"),
             num_experts_per_tok=need("num_experts_per_tok"),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=get("routed_scaling_factor", 1.0, float),
             num_shared_experts=shared,
             moe_intermediate_size=need("intermediate_size"),
-            shared_intermediate_size=hf.get("shared_intermediate_size", need("intermediate_size")),
-            dense_intermediate_size=hf.get("dense_intermediate_size", need("intermediate_size")),
-            swiglu_alpha=float(need("swiglu_alpha")),
-            swiglu_beta=float(hf.get("swiglu_beta", 1.0)),
-            swiglu_limit=float(need("swiglu_limit")),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            shared_intermediate_size=get("shared_intermediate_size", need("intermediate_size"), int),
+            dense_intermediate_size=get("dense_intermediate_size", need("intermediate_size"), int),
+            swiglu_alpha=need("swiglu_alpha", float),
+            swiglu_beta=get("swiglu_beta", 1.0, float),
+            swiglu_limit=need("swiglu_limit", float),
+            tie_word_embeddings=get("tie_word_embeddings", False, bool),
         )
 
     @classmethod
@@ -284,10 +291,25 @@ def _layer_pattern(value, layers: int, key: str) -> list[bool]:
     return [bool(v) for v in value]
 
 
+def _typed(key: str, value, kind: type):
+    """A config value of the JSON type ``kind`` (int: not a bool or a float; float: any number but a bool),
+    refused by name otherwise, never coerced (``bool("false")`` is True)."""
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+        dict: isinstance(value, dict),
+    }[kind]
+    if not ok:
+        raise ValueError(f"config: {key}: expected {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return float(value) if kind is float else value
+
+
 def _check_quantization(quant) -> None:
     """Only MXFP8 with 1x32 blocks (or none: bf16 weights, quantized at load) is read by the loader."""
     if quant is None:
         return
+    _typed("quantization_config", quant, dict)
     if quant.get("quant_method") != "mxfp8":
         raise ValueError(
             f"config: quantization_config.quant_method {quant.get('quant_method')!r} is not supported; expected 'mxfp8'"

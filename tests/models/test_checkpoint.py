@@ -81,6 +81,18 @@ def test_hf_config_takes_rotary_dim_and_defaults_beta():
         (lambda c: c.update(quantization_config={"quant_method": "fp8"}), r"quant_method 'fp8' is not supported"),
         (lambda c: c.update(model_type="llama"), r"model_type 'llama' is not supported"),
         (lambda c: c.update(head_dim=96), r"head_dim must be 64 or 128"),
+        # JSON types are checked, never coerced (bool("false") is True)
+        (lambda c: c.update(tie_word_embeddings="false"), r"tie_word_embeddings: expected bool, got 'false'"),
+        (lambda c: c.update(n_shared_experts=True), r"n_shared_experts: expected int, got True"),
+        (lambda c: c.update(hidden_size="128"), r"hidden_size: expected int, got '128'"),
+        (lambda c: c.update(num_hidden_layers=2.0), r"num_hidden_layers: expected int, got 2\.0"),
+        (lambda c: c.update(quantization_config="mxfp8"), r"quantization_config: expected dict, got 'mxfp8'"),
+        (lambda c: c.update(sparse_attention_config=[]), r"sparse_attention_config: expected dict, got \[\]"),
+        (
+            lambda c: c["sparse_attention_config"].update(sparse_topk_blocks=4.5),
+            r"sparse_attention_config\.sparse_topk_blocks: expected int, got 4\.5",
+        ),
+        (lambda c: c.update(rotary_dim=16), r"rotary_dim 16 and partial_rotary_factor .* disagree"),
     ],
 )
 def test_hf_config_names_unsupported_values(edit, message):
