@@ -153,11 +153,15 @@ class _Reader:
     """Lazy access to the tensors of a checkpoint directory (sharded with an index json, or one file)."""
 
     def __init__(self, path: str | os.PathLike, stack: contextlib.ExitStack):
-        self.path, self._stack, self._handles = os.fspath(path), stack, {}
+        self.path, self._stack, self._handles, self._names = os.fspath(path), stack, {}, {}
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index):
             with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+                try:
+                    weight_map = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: expected a 'weight_map' dict")
             self.files = {name: os.path.join(self.path, file) for name, file in weight_map.items()}
@@ -174,11 +178,24 @@ class _Reader:
         if file not in self._handles:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{INDEX_FILE} names {os.path.basename(file)!r}, which is not in {self.path!r}")
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for a damaged file)
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
         return self._handles[file]
 
     def slice(self, name: str):
-        return self._handle(self.files[name]).get_slice(name)
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint {self.path!r}: missing tensor {name}")
+        file = self.files[name]
+        handle = self._handle(file)
+        if file not in self._names:
+            self._names[file] = set(handle.keys())
+        if name not in self._names[file]:
+            raise CheckpointError(
+                f"{INDEX_FILE} maps {name} to {os.path.basename(self.files[name])!r}, which does not hold it"
+            )
+        return handle.get_slice(name)
 
 
 class _Loader:

@@ -7,6 +7,7 @@ compared bit for bit with the same weights loaded through the in-memory path (``
 import dataclasses
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -206,6 +207,35 @@ def test_missing_unexpected_and_mistyped_tensors_are_named(state, tmp_path):
     write_checkpoint(tmp_path / "shape", state, CONFIG, extra={k: torch.zeros(64, 128, dtype=platform.FP8_E4M3_OCP)})
     with pytest.raises(CheckpointError, match=rf"{k}: expected shape \[128, 128\], got \[64, 128\]"):
         load_checkpoint(CONFIG, tmp_path / "shape")
+
+
+def test_damaged_files_are_named(state, tmp_path):
+    """A truncated shard, an index that is not JSON and an index that maps a tensor to the wrong shard each
+    raise a CheckpointError naming the file; a tensor missing from a direct read is named too."""
+    write_checkpoint(tmp_path / "ok", state, CONFIG)
+    shards = sorted(f for f in os.listdir(tmp_path / "ok") if f.endswith(".safetensors"))
+    index = tmp_path / "ok" / checkpoint.INDEX_FILE
+    for case in ("truncated", "json", "wrong_shard"):
+        d = tmp_path / case
+        d.mkdir()
+        for f in os.listdir(tmp_path / "ok"):
+            (d / f).write_bytes((tmp_path / "ok" / f).read_bytes())
+    (tmp_path / "truncated" / shards[0]).write_bytes((tmp_path / "ok" / shards[0]).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{shards[0]}: not a readable safetensors file"):
+        load_checkpoint(CONFIG, tmp_path / "truncated")
+    (tmp_path / "json" / checkpoint.INDEX_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=rf"{checkpoint.INDEX_FILE}: not valid JSON"):
+        load_checkpoint(CONFIG, tmp_path / "json")
+    assert len(shards) == 3  # the writer's default: move one tensor's entry to another shard
+    weight_map = json.loads(index.read_text())["weight_map"]
+    name = next(n for n, f in weight_map.items() if f == shards[0] and "norm" in n)
+    weight_map[name] = shards[1]
+    (tmp_path / "wrong_shard" / checkpoint.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"maps {re.escape(name)} to '{shards[1]}', which does not hold"):
+        load_checkpoint(CONFIG, tmp_path / "wrong_shard")
+    write_checkpoint(tmp_path / "nonorm", state, CONFIG, drop=["language_model.model.norm.weight"])
+    with pytest.raises(CheckpointError, match=r"missing tensor language_model\.model\.norm\.weight"):
+        full_state_from_checkpoint(tmp_path / "nonorm", CONFIG)
 
 
 def test_layers_past_the_config_raise_unless_truncated(state, tmp_path):
