@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--config",
         choices=("tiny", "m3-1layer"),
-        default="tiny",
-        help="random-weight model; m3-1layer: real widths, GPU only (ignored with --checkpoint)",
+        default=None,
+        help="random-weight model (default tiny); m3-1layer: real widths, GPU only; not with --checkpoint",
     )
     demo.add_argument(
         "--checkpoint",
@@ -454,6 +454,9 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1) if args.json else _table(rows))
         return 0
 
+    if args.config is not None and args.checkpoint is not None:
+        raise SystemExit("--config: not with --checkpoint (the checkpoint's config.json describes the model)")
+    args.config = args.config or "tiny"
     device = _select_device(args.device)
     if args.config == "m3-1layer" and args.checkpoint is None and device != "cuda":
         raise SystemExit("--config m3-1layer needs a GPU (--device cuda)")

@@ -21,6 +21,8 @@ def test_cli_refuses_bad_arguments_clearly(monkeypatch, capsys):
     assert "argument --emulate: invalid choice: ''" in err and all(t in err for t in platform.EMULATION_TARGETS)
     with pytest.raises(SystemExit, match="--layers: only with --checkpoint"):
         cli.main(["demo", "--layers", "1"])
+    with pytest.raises(SystemExit, match="--config: not with --checkpoint"):
+        cli.main(["demo", "--config", "tiny", "--checkpoint", "/nonexistent"])
     with pytest.raises(SystemExit, match=r"--checkpoint /nonexistent: path: expected a checkpoint directory"):
         cli.main(["demo", "--checkpoint", "/nonexistent"])
     monkeypatch.setenv(platform.EMULATE_ENV, "bogus")

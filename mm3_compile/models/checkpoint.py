@@ -123,6 +123,15 @@ def ocp_mxfp8_to_platform(
     ocp = platform.FP8_E4M3_OCP
     if values.dtype != ocp:
         raise CheckpointError(f"{name}: expected {ocp} MXFP8 values, got {values.dtype}")
+    if scales.dtype not in (torch.uint8, platform.E8M0_DTYPE):
+        raise CheckpointError(f"{name}: expected uint8 or {platform.E8M0_DTYPE} scales, got {scales.dtype}")
+    k = values.shape[-1]
+    expected = (*values.shape[:-1], k // MX_BLOCK_SIZE)
+    if k % MX_BLOCK_SIZE or tuple(scales.shape) != expected:
+        raise CheckpointError(
+            f"{name}: expected scales of shape {list(expected)} (one per {MX_BLOCK_SIZE} values, K a multiple of "
+            f"{MX_BLOCK_SIZE}), got {list(scales.shape)} for values {list(values.shape)}"
+        )
     scales = scales.view(torch.uint8)
     if dtype == ocp:
         return values, scales

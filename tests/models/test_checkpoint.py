@@ -325,6 +325,11 @@ def test_ocp_to_fnuz_conversion_is_exact_for_every_byte_and_scale():
         big = torch.tensor([[448.0] * 32]).to(platform.FP8_E4M3_OCP)
         with pytest.raises(CheckpointError, match="w: 32 values in blocks at the largest E8M0 scale exceed"):
             checkpoint.ocp_mxfp8_to_platform(big, torch.tensor([[254]], dtype=torch.uint8), dtype, "w")
+        # scales of another dtype or shape are refused, never reinterpreted (int32 [1, 1] read as 4 bytes)
+        with pytest.raises(CheckpointError, match="w: expected uint8 or torch.float8_e8m0fnu scales, got torch.int32"):
+            checkpoint.ocp_mxfp8_to_platform(big, torch.tensor([[127]], dtype=torch.int32), dtype, "w")
+        with pytest.raises(CheckpointError, match=r"w: expected scales of shape \[1, 1\]"):
+            checkpoint.ocp_mxfp8_to_platform(big, torch.tensor([[127, 127]], dtype=torch.uint8), dtype, "w")
 
 
 @pytest.mark.interpreter
