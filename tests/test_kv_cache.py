@@ -163,6 +163,17 @@ def test_write_scales_must_be_positive_finite(bad, device, monkeypatch):
             torch.ops.mm3.kv_cache_write(key, key, cache, slots, "fp8", good, torch.tensor([bad], device=device))
 
 
+def test_a_slot_written_twice_is_refused(device, monkeypatch):
+    """Two tokens into one slot race on a GPU (which lands is timing): refused where index values are checked."""
+    monkeypatch.setenv("MM3_VALIDATE", "1")
+    cache = make_cache(2, 2, 64, "HND", torch.bfloat16, device)
+    key = torch.randn(4, 2, 64, device=device, dtype=torch.bfloat16)
+    slots = torch.tensor([5, -1, 7, 5], dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="slot_mapping: slot 5 is written by more than one token"):
+        torch.ops.mm3.kv_cache_write(key, key, cache, slots)
+    torch.ops.mm3.kv_cache_write(key, key, cache, torch.tensor([5, -1, 7, -1], dtype=torch.int64, device=device))
+
+
 def test_all_padding_leaves_cache_untouched(device):
     with platform.emulate("gfx942"):
         cache = make_cache(2, 2, 64, "HND", torch.uint8, device)

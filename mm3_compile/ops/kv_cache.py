@@ -77,11 +77,16 @@ def _check_kv_write(key, value, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
         if values_checked(k_scale, v_scale):
             check_scale_values("k_scale", k_scale)
             check_scale_values("v_scale", v_scale)
-    if values_checked(slot_mapping) and (slot_mapping >= kv_cache.shape[0] * PAGE_SIZE).any():
-        raise ValueError(
-            f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {kv_cache.shape[0]} pages of "
-            f"{PAGE_SIZE} (negative slots mark padding)"
-        )
+    if values_checked(slot_mapping):
+        if (slot_mapping >= kv_cache.shape[0] * PAGE_SIZE).any():
+            raise ValueError(
+                f"slot_mapping: slot {int(slot_mapping.max())} is outside the cache's {kv_cache.shape[0]} pages of "
+                f"{PAGE_SIZE} (negative slots mark padding)"
+            )
+        used = slot_mapping[slot_mapping >= 0]
+        if used.unique().numel() != used.numel():  # two tokens into one slot: which one lands is a race
+            values, counts = used.unique(return_counts=True)
+            raise ValueError(f"slot_mapping: slot {int(values[counts > 1][0])} is written by more than one token")
     return cache, fmt, scale_mode
 
 

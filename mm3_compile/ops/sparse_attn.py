@@ -66,6 +66,11 @@ def _check_common(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cac
             f"block_table: expected {num_reqs} rows (one per request in seq_lens), got {block_table.shape[0]}"
         )
     view, fmt = resolve_cache_view(kv_cache, kv_cache_dtype, q.dtype)
+    if fmt is None and view.dtype != q.dtype:
+        # an explicit half spec of the other half type: the kernels would dot q with K of another dtype
+        raise TypeError(
+            f"q: a {view.dtype} cache (kv_cache_dtype={kv_cache_dtype!r}) is read by {view.dtype} queries, got {q.dtype}"
+        )
     scale_mode = kv_scale_mode(k_scale, v_scale, Hkv, num_blocks * PAGE_SIZE, q.device)
     if k_scale is not None:
         if fmt is None:

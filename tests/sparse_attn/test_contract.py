@@ -133,6 +133,16 @@ def test_scales_refused_for_bf16_cache(device):
         torch.ops.mm3.sparse_attn_decode(*args)
 
 
+def test_half_cache_of_the_other_half_type_is_refused(device):
+    """A bf16 cache named explicitly is read by bf16 queries only: fp16 q would meet bf16 K in the dots."""
+    case = build(device, [(200, 1), (150, 1)])
+    args = list(case.decode_args())
+    args[0] = args[0].to(torch.float16)
+    args[6] = "bfloat16"
+    with pytest.raises(TypeError, match="q: a torch.bfloat16 cache .* is read by torch.bfloat16 queries"):
+        torch.ops.mm3.sparse_attn_decode(*args)
+
+
 def test_block_ids_below_minus_one_are_refused(device, monkeypatch):
     """-1 marks an unused slot; an id below it names no block: an error where index values are checked."""
     monkeypatch.setenv("MM3_VALIDATE", "1")  # GPU calls check values only when asked
