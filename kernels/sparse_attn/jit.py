@@ -30,12 +30,12 @@ PAGE = tl.constexpr(PAGE_SIZE)  # tokens per page == sparse block size (a Triton
 # conversions are already round-to-nearest-even and exact, so compiled kernels keep them.
 EXACT_BF16 = tl.constexpr(platform.interpreting())
 # Rows one of whose blocks has a maximum log2-domain logit (sm_scale * log2(e) * q.k over the block's
-# visible keys) of magnitude >= 2^30 come out NaN in every schedule.  The KV-centric tile folds the
+# visible keys) of magnitude >= 2^28 come out NaN in every schedule.  The KV-centric tile folds the
 # scale into one FFMA per logit (exp2(s * scale - m) with m rounded, see kv_centric._attend_tile), which
-# is exact up to a factor 2^r, |r| <= ulp(m) / 2, that cancels while |m| < 2^30 but overflows beyond;
-# the other schedules flag the same rows instead of answering where it cannot (such logits are ~7e8
-# in natural units, far past any attention a model computes).
-HUGE_LOGIT = tl.constexpr(2.0**30)
+# is exact up to a factor 2^r, |r| <= ulp(m) / 2 <= 8 while |m| < 2^28 (its fp16 P holds it), that
+# cancels there but overflows beyond; the other schedules flag the same rows instead of answering
+# where it cannot (such logits are ~1.9e8 in natural units, far past any attention a model computes).
+HUGE_LOGIT = tl.constexpr(2.0**28)
 
 
 @triton.jit
@@ -292,21 +292,27 @@ def select_slots(
     stride_tks,
     stride_btr,
     stride_btb,
+    T,
     BLOCK_T: tl.constexpr,
 ):
     """The contract's slot rule for rows of tokens (``token``, ``req``, ``last_block = p // 128``,
     ``n_slots = min(T, p // 128 + 1)``, all [R]): ids [R, BLOCK_T] (-1 past n_slots), their pages, and
     which are valid (id in [0, p // 128] and inside the table, page inside the cache).  Masked, never
-    dereferenced: slots past n_slots, invalid ids, pages outside the cache.  Repeats are the caller's."""
+    dereferenced: slots past T, invalid ids, pages outside the cache.  Repeats are the caller's.
+
+    Every slot of the list is loaded (``token`` is a row of the ``[Hkv, total_q, T]`` list: in bounds) and
+    the slots past n_slots are dropped afterwards, so the list load does not wait for the seq_len load
+    that n_slots comes from: a decode program's chain of dependent loads is seq_len | list -> page -> K/V."""
     slots = tl.arange(0, BLOCK_T)
     ids = tl.load(
         topk_ptr
         + kv_head.to(tl.int64) * stride_tkh
         + token[:, None].to(tl.int64) * stride_tkt
         + slots[None, :] * stride_tks,
-        mask=slots[None, :] < n_slots[:, None],
+        mask=(slots < T)[None, :],
         other=-1,
     )
+    ids = tl.where(slots[None, :] < n_slots[:, None], ids, -1)
     valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
     pages = tl.load(
         block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,

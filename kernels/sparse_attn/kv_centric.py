@@ -27,7 +27,11 @@ was a third of the per-element work (bench/NOTES.md, "moved from kernel sources"
 
 Nothing synchronises with the host and every buffer's size comes from the shapes, so the launcher
 traces into one graph.  Numerics per block: logits and their max in fp32, ``p = exp2(s * scale - m)``
-rounded to the model dtype before P.V (as the union walk).  FP8 K/V are converted once per run: for
+rounded to the model dtype before P.V (as the union walk), except over a bf16 cache: there P is rounded
+to fp16 and the block's V, times the power of two 2^shift of the partials below, is converted to fp16 once
+per run (exact: bf16's 8 significant bits fit fp16's 11 for every value down to 2^-29 of the block's max
+|V|), so P keeps 11 bits instead of 8; P's rounding was most of the error (mean |err| on the H200 at TP1
+1x8192 7.0e-5 -> 4.9e-5, bench/NOTES.md).  FP8 K/V are converted once per run: for
 a bf16 model dequantised with their scales (bf16 holds any fp32 magnitude); for an fp16 model with
 scalar or no scales, unscaled (every FP8 value fits fp16) with k_scale folded into the logit factor
 and v_scale applied to the merged rows, so large scales cannot overflow fp16 (per-token-head scales are
@@ -121,6 +125,7 @@ def pair_keys_kernel(
         stride_tks,
         stride_btr,
         stride_btb,
+        T,
         BLOCK_T,
     )  # [BLOCK_TOK, BLOCK_T] each
     earlier = slots[None, None, :] < slots[None, :, None]  # [1, BLOCK_T (slot), BLOCK_T (earlier slot)]
@@ -138,7 +143,7 @@ def pair_keys_kernel(
 def _attend_tile(
     q,  # [BLOCK_M, D] dot dtype
     k,  # [D, 128] dot dtype
-    v,  # [128, D] dot dtype
+    v,  # [128, D] dot dtype; FP16_PV: fp16, times 2^v_shift
     key_pos,  # [128] logical positions of the block's keys
     limit,  # [BLOCK_M] last key position a row may see (-1: none); read only when ``diagonal``
     diagonal,  # scalar: the block is the rows' own, mask keys after each row's position
@@ -146,6 +151,7 @@ def _attend_tile(
     v_shift,  # int32 scalar: 2^v_shift brings the block's max |V| into [2^14, 2^15) (see ``v_partial_shift``)
     P_DTYPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FP16_PV: tl.constexpr,  # P and V are fp16 (V pre-scaled by 2^v_shift): shift = v_shift
 ):
     """One block's attention for fresh rows: (normalised output times 2^shift [BLOCK_M, D] fp32, its
     log2-sum-exp [BLOCK_M], 2^-shift [BLOCK_M]), the output scaled to be stored as an fp16 partial.
@@ -169,20 +175,27 @@ def _attend_tile(
         p = widen(p)
     # l == 0: no visible key, an empty slot.  The FFMA s * scale - m uses the exact product while m was
     # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
-    # r stays below 2^6 while |m| < 2^30, but beyond (logits far past any real attention, up to fp32's
-    # overflow) the weights become 0 or inf and the row would be silently wrong: such rows are NaN,
+    # r stays at most 8 while |m| < 2^28 (an fp16 P stays below 2^8), but beyond (logits far past any real
+    # attention, up to fp32's overflow) the weights become 0 or inf and the row would be silently wrong: such
+    # rows are NaN,
     # and the union walk and decode flag the same rows (``jit.HUGE_LOGIT``).
     l_safe = tl.where(l > 0.0, l, 1.0)
     inv_l = 1.0 / l_safe
-    # The power of two joins the 1 / l factor (no extra multiply per element); it is limited so that the
-    # factor stays a normal fp32 (|r| < 2^6 bounds l) and 2^-shift too.
-    inv_exp = ((inv_l.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [BLOCK_M]
-    shift = tl.minimum(tl.maximum(v_shift, -126 - inv_exp), 126 - inv_exp)
-    shift = tl.minimum(tl.maximum(shift, -126), 126)
-    factor = inv_l * ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    o = tl.dot(p, v) * factor[:, None]
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
     lse = tl.where(tl.abs(m) < HUGE_LOGIT, lse, float("nan"))
+    if FP16_PV:
+        # V already carries 2^v_shift: the dot's rows are the scaled partial once divided by l
+        # (l >= 2^-8 when it is not 0: the row's largest weight is 2^r)
+        shift = tl.full(inv_l.shape, 0, tl.int32) + v_shift
+        o = tl.dot(p, v) * inv_l[:, None]
+    else:
+        # The power of two joins the 1 / l factor (no extra multiply per element); it is limited so that the
+        # factor stays a normal fp32 (|r| < 2^6 bounds l) and 2^-shift too.
+        inv_exp = ((inv_l.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [BLOCK_M]
+        shift = tl.minimum(tl.maximum(v_shift, -126 - inv_exp), 126 - inv_exp)
+        shift = tl.minimum(tl.maximum(shift, -126), 126)
+        factor = inv_l * ((shift + 127) << 23).to(tl.float32, bitcast=True)
+        o = tl.dot(p, v) * factor[:, None]
     return o, lse, ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
 
@@ -252,6 +265,10 @@ def kv_centric_attn_kernel(
     negate_k = qk_scale < 0.0
     qk_scale = tl.abs(qk_scale)
     MODEL_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    # bf16 caches: P rounded to fp16 (11 significant bits, 8 in bf16) for P.V, V converted to match (an FP8
+    # cache's V is converted once already; converting it again cost 9% at TP1 1x8192 on the H200)
+    FP16_PV: tl.constexpr = (MODEL_DTYPE == tl.bfloat16) and (FP8 == 0)
+    P_DTYPE: tl.constexpr = tl.float16 if FP16_PV else MODEL_DTYPE
     start = tl.program_id(0).to(tl.int64) * PAIRS
     index = tl.arange(0, PAIRS)
     run_keys = tl.load(sorted_keys_ptr + start + index, mask=start + index < num_pairs, other=uncounted)  # [PAIRS]
@@ -300,6 +317,13 @@ def kv_centric_attn_kernel(
         if negate_k:
             k = -k
         v_shift = v_partial_shift(v)
+        if FP16_PV:
+            # the block's V times 2^v_shift in fp16, once per run: exact (bf16's 8 significant bits in fp16's
+            # 11) down to 2^-29 of the block's max |V|, so P.V can take P in fp16 (see the module docstring)
+            v_shift = tl.minimum(v_shift, 126)  # 2^v_shift and 2^-v_shift stay normal fp32
+            v = (widen(v) * ((v_shift + 127) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+            if DOT_FP32:
+                v = widen(v)
         heads = kv_head * G + head_in_group  # [BLOCK_M]
         head_tokens = kv_head.to(tl.int64) * total_q
         # Tiles are software-pipelined by hand, in registers: tile i + 1's query rows and tile i + 2's
@@ -337,7 +361,17 @@ def kv_centric_attn_kernel(
             after_entry = tile_first + 2 * BLOCK_TOK + pair_row
             after_flat = tl.load(order_ptr + start + after_entry, mask=after_entry < run_end, other=0)
             o, lse, unscale = _attend_tile(
-                tile_q, k, v, key_pos, tile_limit, diagonal, qk_scale, v_shift, MODEL_DTYPE, DOT_FP32
+                tile_q,
+                k,
+                v,
+                key_pos,
+                tile_limit,
+                diagonal,
+                qk_scale,
+                v_shift,
+                P_DTYPE,
+                DOT_FP32,
+                FP16_PV,
             )
             tl.store(lse_ptr + part_row, lse, mask=row_mask)
             tl.store(unscale_ptr + part_row, unscale, mask=row_mask)

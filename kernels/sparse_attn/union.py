@@ -155,6 +155,7 @@ def sparse_attn_fwd_kernel(
             stride_tks,
             stride_btr,
             stride_btb,
+            T,
             BLOCK_T,
         )  # [BLOCK_M, BLOCK_T] each
         keys = tl.where(valid, req[:, None].to(tl.int64) * max_blocks + ids, NO_KEY)  # [BLOCK_M, BLOCK_T]

@@ -9,7 +9,7 @@ repeats, 10^6), table entries outside the cache (``MM3_VALIDATE=0``), both prefi
 magnitudes 2^-30..2^30 (the logits' scale bounded, below), zeros, NaN in q and fp16 subnormals.
 
 The q and K exponents satisfy ``eq + ek <= MAX_LOGIT_EXP``: the fp32 logit rounding (~|logit| 2^-22) then
-stays inside the absolute tolerances.  Huge logits (the rule that rows past 2^30 in log2 units are NaN in
+stays inside the absolute tolerances.  Huge logits (the rule that rows past 2^28 in log2 units are NaN in
 every schedule) and threaded calls have their own tests in tests/sparse_attn/test_edges.py.
 """
 

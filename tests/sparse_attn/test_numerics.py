@@ -41,13 +41,15 @@ def _recipe_requests(seed: int, decode: bool) -> list:
 
 
 # Mean |out - bf16(fp64 oracle)| over 5 seeds must stay <= this; measured (CPU interpreter, integer RNE
-# conversions), worst seed: bf16 cache: KV-centric 1.7e-4 (2.1e-4 with bf16 slot partials, 1.7e-4 with
-# fp32 ones), union walk 1.7e-4, decode 1.5e-4; sm_90 e4m3 cache, scalar scales: KV-centric 1.8e-4 (K/V
+# conversions), worst seed: bf16 cache: KV-centric 4.4e-5 with P.V on fp16 operands (seeds 0-4: 4.4, 2.9,
+# 4.0, 2.0, 1.8e-5; 1.7e-4 with bf16 P, 2.1e-4 with bf16 slot partials too), union walk 1.7e-4, decode
+# 1.5e-4; sm_90 e4m3 cache, scalar scales: KV-centric 1.8e-4 (K/V
 # dequantised to bf16), union walk / decode 2.2e-5 (fp16 dots on the exact FP8 values), decode split
 # three ways 4.6e-5..9.8e-5 over the 5 seeds (its partials add roundings the unsplit call does not have).
 # Before the fix (truncating fp32 -> bf16 conversions): 5.4-8.1e-4 (bf16), KV-centric FP8 8.1e-4.
 # vLLM's M3 kernel tests require < 2.5e-4 against an fp32 reference.
 RECIPE_MEAN_TOLERANCE = {("auto", False): 3e-4, ("fp8", False): 3e-4, ("fp8", True): 1.2e-4}  # (spec, fp16 dots)
+KV_CENTRIC_BF16_TOLERANCE = 6e-5  # fp16 P and V in P.V (kernels/sparse_attn/kv_centric.py)
 
 
 @SCHEDULES
@@ -206,4 +208,6 @@ def test_mean_error_matches_upstream_numerics(path, spec, device, monkeypatch):
         ref = case.reference().to(torch.bfloat16).float()
         errors.append((out.float() - ref).abs().mean().item())
     tolerance = RECIPE_MEAN_TOLERANCE[(spec, fp16_dots)]
+    if path == "kv_centric" and spec == "auto":
+        tolerance = KV_CENTRIC_BF16_TOLERANCE
     assert max(errors) <= tolerance, f"{path} {spec}: mean errors {[f'{e:.2e}' for e in errors]} > {tolerance}"
