@@ -52,6 +52,8 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
                       SPLIT=varlen != "1", SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"),
                       FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=target_name == "sm_90" and varlen != "1",
                       **FP8Launch(fmt, native_load=native == "1").constexprs())
+    # the merge of a 16-split one-token decode (the largest split count of T = 16)
+    constexprs["MAX_SPLITS"] = union.max_splits(16, 16)
     pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                     v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 
