@@ -82,6 +82,19 @@ def test_decode_split_counts(num_splits, block_q, q_per_req, device):
     assert_close(run(q2), ref2, torch.bfloat16, f"second call, {num_splits} splits")
 
 
+def test_merge_unroll_bounds_every_split_count():
+    """The merger's unrolled loop (``MAX_SPLITS``) covers the launch's splits: an int count rounded up to a power
+    of two (7 splits -> 8, the 8th masked), a symbolic one bounded by T, which the shape-derived plan never
+    exceeds at any batch."""
+    from mm3_compile.kernels.sparse_attn import union
+
+    assert [union.max_splits(n, 16) for n in (1, 3, 7, 16)] == [1, 4, 8, 16]
+    for tokens in (1, 2, 5, 33, 1000):
+        for T in (4, 16):
+            splits, _ = decode_kernels.split_plan(tokens, 1, T, torch.device("cpu"))
+            assert splits <= union.max_splits(T, T)
+
+
 def test_split_plan_fills_the_target_grid():
     """Splits grow until (tokens x KV heads x splits) reaches the device's target program count, at most T."""
     cpu = torch.device("cpu")
