@@ -177,8 +177,7 @@ def _attend_tile(
     # rounded, so every weight carries the factor 2^r of m's rounding error r (it cancels in o and lse);
     # r stays at most 8 while |m| < 2^28 (an fp16 P stays below 2^8), but beyond (logits far past any real
     # attention, up to fp32's overflow) the weights become 0 or inf and the row would be silently wrong: such
-    # rows are NaN,
-    # and the union walk and decode flag the same rows (``jit.HUGE_LOGIT``).
+    # rows are NaN, and the union walk and decode flag the same rows (``jit.HUGE_LOGIT``).
     l_safe = tl.where(l > 0.0, l, 1.0)
     inv_l = 1.0 / l_safe
     lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l_safe))
@@ -190,7 +189,7 @@ def _attend_tile(
         o = tl.dot(p, v) * inv_l[:, None]
     else:
         # The power of two joins the 1 / l factor (no extra multiply per element); it is limited so that the
-        # factor stays a normal fp32 (|r| < 2^6 bounds l) and 2^-shift too.
+        # factor stays a normal fp32 (r <= 8 bounds l) and 2^-shift too.
         inv_exp = ((inv_l.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # [BLOCK_M]
         shift = tl.minimum(tl.maximum(v_shift, -126 - inv_exp), 126 - inv_exp)
         shift = tl.minimum(tl.maximum(shift, -126), 126)
