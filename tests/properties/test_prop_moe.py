@@ -142,15 +142,17 @@ def routes(draw, max_tokens=24):
     route=routes(max_tokens=40),
     block_m=st.sampled_from([16, 32, 64]),
     dtype=st.sampled_from([torch.int32, torch.int64]),
-    path=st.sampled_from(["one program", "torch ops"]),
+    path=st.sampled_from(["one program", "one program, chunks of 32", "torch ops"]),
     more_experts=st.sampled_from([0, 0, 120, 300]),  # 129 (M3 with the shared expert), past a 256-wide tile
 )
 def test_align_layout_exact(route, block_m, dtype, path, more_experts):
-    """Both implementations (the one-program kernel of decode-sized routings, the torch ops of larger ones)."""
+    """Both implementations (the one-program kernel of decode-sized routings, sorting the routing whole or in
+    chunks carried over by counts; the torch ops of larger ones)."""
     ids, num_experts = route
     num_experts += more_experts
-    small = align_kernels.SMALL_PAIRS if path == "one program" else -1
-    with mock.patch.object(align_kernels, "SMALL_PAIRS", small):
+    small = -1 if path == "torch ops" else align_kernels.SMALL_PAIRS
+    chunk = 32 if path.endswith("32") else align_kernels.MAX_CHUNK
+    with mock.patch.object(align_kernels, "SMALL_PAIRS", small), mock.patch.object(align_kernels, "MAX_CHUNK", chunk):
         pairs, blocks = torch.ops.mm3.moe_align(*on_device(ids.to(dtype)), num_experts, block_m)
     ref_pairs, ref_blocks = align_layout(ids, num_experts, block_m)
     assert pairs.dtype == torch.int32 and blocks.dtype == torch.int32
