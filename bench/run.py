@@ -14,8 +14,11 @@ section between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +73,11 @@ def parse_args(argv=None):
 
 
 def _prepare_environment(cpu: bool) -> None:
-    """Before torch/triton are imported: the interpreter for --cpu, and ``bench`` importable.
+    """Before torch/triton are imported: the interpreter for --cpu, a fresh Inductor cache, and ``bench`` importable.
+
+    Inductor's caches live in a new temporary folder for each run: its FX graph cache does not see a changed
+    lowering, so an older run's entries could stand in for this checkout's code, and a "cold" compile could be a
+    hit. The cache stays on inside the run (the layer family times the warm compile as its hit).
 
     ``mm3_compile`` is the installed package (``pip install -e .`` in a checkout, or a wheel/sdist
     install): the repo folder is appended to ``sys.path``, after site-packages, so only ``bench``
@@ -78,7 +85,9 @@ def _prepare_environment(cpu: bool) -> None:
     if cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # the interpreter is ~3x faster single-threaded
-        os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    cache_dir = tempfile.mkdtemp(prefix="mm3_bench_inductor_")
+    atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     if REPO not in sys.path:
         sys.path.append(REPO)
     import importlib.util
