@@ -192,11 +192,13 @@ def run(ctx: Context) -> None:
         fns = compile_model(model, backend=ctx.compile_backend)
         cold = workload(fns)
         steady = workload(fns)
-        torch._dynamo.reset()
-        warm_fns = compile_model(model, backend=ctx.compile_backend)
-        started = time.perf_counter()
-        warm = workload(warm_fns)
-        warm_wall = time.perf_counter() - started
+        warm_fns = fns
+        if cache_on:  # without the cache a second compile measures nothing: not spent
+            torch._dynamo.reset()
+            warm_fns = compile_model(model, backend=ctx.compile_backend)
+            started = time.perf_counter()
+            warm = workload(warm_fns)
+            warm_wall = time.perf_counter() - started
 
     check = _compare(steady, eager)
     eager_ms, compiled_ms = decode_ms(eager), decode_ms(steady)
@@ -227,22 +229,27 @@ def run(ctx: Context) -> None:
             **dict(common, correct=graph_check.ok, max_err=graph_check.max_err, graph_replay=True),
             **ctx.rates(graph_ms, None, floor, "copy"),
         )
-    for provider, seconds, note in (
-        ("compile_cold", first_steps(cold) - first_steps(steady), "first compiled prefill+decode minus steady state"),
-        (
-            "compile_warm",
-            first_steps(warm) - first_steps(steady),
-            f"after torch._dynamo.reset(); run wall {warm_wall:.1f} s",
-        ),
-    ):
-        if not cache_on:
+    if not cache_on:
+        for provider in ("compile_cold", "compile_warm"):
             ctx.record(
                 **base,
                 provider=provider,
                 mode="-",
                 error="not timed: TORCHINDUCTOR_FX_GRAPH_CACHE forces the FX graph cache off (unset it to time compiles)",
             )
-            continue
-        ctx.record(**base, provider=provider, mode="-", ms=seconds * 1e3, us=seconds * 1e6, note=note, **common)
+    else:
+        for provider, seconds, note in (
+            (
+                "compile_cold",
+                first_steps(cold) - first_steps(steady),
+                "first compiled prefill+decode minus steady state",
+            ),
+            (
+                "compile_warm",
+                first_steps(warm) - first_steps(steady),
+                f"after torch._dynamo.reset(); run wall {warm_wall:.1f} s",
+            ),
+        ):
+            ctx.record(**base, provider=provider, mode="-", ms=seconds * 1e3, us=seconds * 1e6, note=note, **common)
     if ctx.cuda and not ctx.budget.expired():
         _single_request(ctx, model, prompt, steps, base)
