@@ -69,6 +69,9 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     # for a narrower weight
     assert decode.BLOCK_N == 64 and schedule(1, 1024, 6144, 1, False).BLOCK_N == 64
     assert schedule(1, 32, 64, 1, False).BLOCK_N == 32
+    # grouped GEMM2 (MXFP8 x, decoded per tile): 128 columns, each x tile decoded for twice the outputs
+    assert schedule(4, 6144, 3072, 129, False, x_mx=True).BLOCK_N == 128
+    assert schedule(4, 6144, 3072, 1, False, x_mx=True).BLOCK_N == 64
     assert schedule(None, 6144, 6144, 128, False).BLOCK_M == 16
     # prefill: the dequantized weight as the dot's register operand; wider tiles when x is MXFP8 too
     assert prefill.SWAP_AB and not decode.SWAP_AB

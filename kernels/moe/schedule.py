@@ -128,6 +128,10 @@ def schedule(
         # bf16 x (GEMM1, k 6144): 512-wide k steps in 3 stages streamed 2-3% faster (T1 52.2 -> 50.7 us, T32
         # 711 -> 693 us); for GEMM2 (MXFP8 x, dequantized per step too; k 3072) they were 1.5-1.7x slower
         return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512, num_warps=4, num_stages=3)
+    if x_mx and num_experts > 1:
+        # grouped GEMM2: 128 columns decode each x tile for twice the outputs (H200, M3 widths, graph replay over 4
+        # routes: T1 43.2 -> 37.0 us, T32 458 -> 416 us, T128 787 -> 704 us; bench/NOTES.md session 23)
+        block_n = min(128, max(16, triton.next_power_of_2(n)))
     # GEMM2 (and k not a multiple of 512): 256-wide k steps in 3 stages (4 before: T1 32.5 -> 31.4 us, T32 417 -> 395
     # us, T128 706 -> 669 us, bench/NOTES.md session 16)
     return GemmConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k % 256 == 0 else 128, num_warps=4, num_stages=3)
