@@ -94,8 +94,8 @@ def schedule(
         splittable: False for a grouped launch (one group is still grouped: no split k).
 
     Returns:
-        A :class:`GemmConfig`. Decode (few rows per expert) is bound by the weight bytes: ``BLOCK_M`` 16 (the
-        smallest ``tl.dot``) and 64-column tiles streaming the weights. Prefill (many rows per expert) uses
+        A :class:`GemmConfig`. Decode (few rows per expert) streams the weights: ``BLOCK_M`` 16 (the smallest
+        ``tl.dot``) and 64-column tiles (128 for the grouped GEMM2). Prefill (many rows per expert) uses
         tensor-core tiles that reuse each dequantized weight tile over 128 or 256 rows (:func:`_prefill`).
 
     Examples:
