@@ -277,6 +277,52 @@ def slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T):
 
 
 @triton.jit
+def token_slots(
+    topk_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    kv_head,
+    token,  # scalar: one token's list
+    req,  # scalar: its request
+    q_len,
+    offset,
+    num_blocks,
+    max_blocks,
+    stride_tkh,
+    stride_tkt,
+    stride_tks,
+    stride_btr,
+    stride_btb,
+    T,
+    BLOCK_T: tl.constexpr,
+    TABLE_ROW: tl.constexpr,  # pow2 >= max_blocks
+):
+    """:func:`select_slots` for one token: ids [BLOCK_T] (-1 past n_slots) and their pages [BLOCK_T] (-1: slot
+    skipped), by the same rule.  The list, the seq_len and the request's whole block-table row are loaded at
+    once and the pages are picked from the row in registers, so a decode program's chain of dependent loads
+    is seq_len | list | table row -> K/V, one latency shorter than the listed entries' gather."""
+    slots = tl.arange(0, BLOCK_T)
+    ids = tl.load(
+        topk_ptr + kv_head.to(tl.int64) * stride_tkh + token.to(tl.int64) * stride_tkt + slots * stride_tks,
+        mask=slots < T,
+        other=-1,
+    )
+    entries = tl.arange(0, TABLE_ROW)
+    row = tl.load(
+        block_table_ptr + req.to(tl.int64) * stride_btr + entries.to(tl.int64) * stride_btb,
+        mask=entries < max_blocks,
+        other=-1,
+    )  # [TABLE_ROW]
+    pos = tl.load(seq_lens_ptr + req) - q_len + offset
+    last_block = tl.where(pos >= 0, pos // PAGE, -1)
+    ids = tl.where(slots < tl.minimum(T, last_block + 1), ids, -1)
+    valid = (ids >= 0) & (ids <= last_block) & (ids < max_blocks)
+    pages = tl.gather(row, tl.where(valid, ids, 0), 0)
+    valid = valid & (pages >= 0) & (pages < num_blocks)
+    return ids, tl.where(valid, pages, -1)
+
+
+@triton.jit
 def select_slots(
     topk_ptr,
     block_table_ptr,

@@ -41,6 +41,7 @@ from mm3_compile.kernels.sparse_attn.jit import (
     select_slots,
     slot_window,
     to_model_dtype,
+    token_slots,
     widen,
 )
 from mm3_compile.platform import FP8Format
@@ -48,6 +49,9 @@ from mm3_compile.platform import FP8Format
 # One-token lists up to this many (padded) slots find repeats with a [BLOCK_T, BLOCK_T] matrix; longer
 # ones slot by slot (Triton tensors hold at most 2^20 elements).
 MATRIX_DEDUP_SLOTS = tl.constexpr(1024)
+# One-token decode loads its request's whole block-table row (up to this many entries, 4 KB) beside its list
+# and picks the pages from registers; wider tables (requests past 128K tokens) gather the listed entries.
+TABLE_ROW_MAX = 1024
 
 
 @triton.jit
@@ -103,6 +107,7 @@ def sparse_attn_fwd_kernel(
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
     MAX_SPLITS: tl.constexpr,  # a bound of num_splits (SPLIT only): the merge's unrolled loop
+    TABLE_ROW: tl.constexpr,  # pow2 bound of max_blocks for one-token tiles (0: gather the listed entries)
 ):
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
@@ -140,7 +145,31 @@ def sparse_attn_fwd_kernel(
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)
     LONG_LIST: tl.constexpr = BLOCK_Q == 1 and BLOCK_T > MATRIX_DEDUP_SLOTS
-    if not LONG_LIST:
+    ROW_PAGES: tl.constexpr = BLOCK_Q == 1 and not VARLEN and not LONG_LIST and TABLE_ROW > 0
+    if ROW_PAGES:
+        # one token per tile (BLOCK_M = BLOCK_H rows of it): its request from arithmetic, no load to wait on
+        tok_req_row = tile // q_per_req
+        tok_ids, tok_pages = token_slots(
+            topk_ptr,
+            block_table_ptr,
+            seq_lens_ptr,
+            kv_head,
+            tile,
+            tok_req_row,
+            q_per_req,
+            tile - tok_req_row * q_per_req,
+            num_blocks,
+            max_blocks,
+            stride_tkh,
+            stride_tkt,
+            stride_tks,
+            stride_btr,
+            stride_btb,
+            T,
+            BLOCK_T,
+            TABLE_ROW,
+        )  # [BLOCK_T] each
+    elif not LONG_LIST:
         ids, pages, valid = select_slots(
             topk_ptr,
             block_table_ptr,
@@ -211,8 +240,9 @@ def sparse_attn_fwd_kernel(
             list_ptr = topk_ptr + kv_head.to(tl.int64) * stride_tkh + tl.max(token).to(tl.int64) * stride_tkt
             tok_ids = tl.load(list_ptr + slots * stride_tks, mask=slots < tl.max(n_slots), other=-1)  # [BLOCK_T]
         else:
-            tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
-            tok_pages = tl.max(tl.where(valid, pages, -1), axis=0)  # [BLOCK_T], -1: slot skipped
+            if not ROW_PAGES:
+                tok_ids = tl.max(ids, axis=0)  # [BLOCK_T] every row holds the same token's list
+                tok_pages = tl.max(tl.where(valid, pages, -1), axis=0)  # [BLOCK_T], -1: slot skipped
             earlier = slots[None, :] < slots[:, None]  # [BLOCK_T, BLOCK_T]: slot s' comes before slot s
             repeat = tl.max(((tok_ids[None, :] == tok_ids[:, None]) & earlier).to(tl.int32), axis=1) > 0
             # (page, block) of each slot in one int64: the loop picks its slot with a single reduction
@@ -437,6 +467,19 @@ def max_splits(num_splits, T) -> int:
     return triton.next_power_of_2(int(num_splits if isinstance(num_splits, int) else T))
 
 
+def table_row(max_blocks, one_token_decode: bool) -> int:
+    """``TABLE_ROW`` of a launch: the block table's width rounded up to a power of two for a one-token decode
+    tile of a static width up to ``TABLE_ROW_MAX``, else 0 (the listed entries are gathered).
+
+    Examples:
+        >>> table_row(256, True), table_row(2048, True), table_row(256, False)
+        (256, 0, 0)
+    """
+    if not one_token_decode or not isinstance(max_blocks, int) or max_blocks > TABLE_ROW_MAX:
+        return 0
+    return triton.next_power_of_2(max_blocks)
+
+
 def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
     """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
     or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
@@ -532,6 +575,7 @@ def launch_sparse_attn(
         FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
         PDL=pdl,
         MAX_SPLITS=max_splits(num_splits, T) if split_buffers is not None else 1,
+        TABLE_ROW=table_row(block_table.shape[1], decode_tile),
         **fp8.constexprs(),
         **extra,
         **schedule.kernel_options(

@@ -54,6 +54,8 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
                       **FP8Launch(fmt, native_load=native == "1").constexprs())
     # the merge of a 16-split one-token decode (the largest split count of T = 16)
     constexprs["MAX_SPLITS"] = union.max_splits(16, 16)
+    # a one-token decode tile picks its pages from a 32768-token request's table row (256 entries)
+    constexprs["TABLE_ROW"] = union.table_row(256, decode_tile)
     pointers = dict(q_ptr="*bf16", kv_ptr=kv_type, out_ptr="*bf16", partial_ptr="*bf16", k_scale_ptr="*fp32",
                     v_scale_ptr="*fp32", lse_ptr="*fp32", arrivals_ptr="*i32")
 

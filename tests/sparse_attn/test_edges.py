@@ -51,6 +51,22 @@ def test_decode_long_list_path(num_splits, device, monkeypatch):
     assert_close(out, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
 
 
+@pytest.mark.interpreter  # a compiled kernel keeps the constexpr it was built with
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_table_row_and_gathered_pages_agree(num_splits, device, monkeypatch):
+    """One-token decode picks its pages from the request's whole table row (``TABLE_ROW``); wider or symbolic
+    tables gather the listed entries.  On a truncated table whose hidden columns hold real pages, pages outside
+    the cache, -1 entries and junk ids, both give the same bits, and the reference's output."""
+    monkeypatch.setenv("MM3_VALIDATE", "0")
+    case = build(device, [(650, 1), (260, 1), (390, 1)], D=64, Hkv=2, G=2, corrupt=True, seed=3)
+    assert union.table_row(case.block_table.shape[1], True) == 8  # 5 columns: entries 5-7 (real pages) masked
+    row = case.split_decode(num_splits)
+    monkeypatch.setattr(union, "table_row", lambda max_blocks, one_token_decode: 0)
+    gathered = case.split_decode(num_splits)
+    assert torch.equal(row, gathered)
+    assert_close(row, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
+
+
 @pytest.mark.interpreter
 def test_concurrent_decode_calls_from_threads(device):
     """Split decode calls issued from several Python threads at once (the interpreter runs each call's
