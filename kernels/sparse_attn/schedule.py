@@ -12,7 +12,7 @@ import triton
 
 from mm3_compile import platform
 from mm3_compile.contract import SCALE_PER_TOKEN_HEAD
-from mm3_compile.kernels._launch import sm_count
+from mm3_compile.kernels._launch import size_hint, sm_count
 from mm3_compile.platform import FP8Format
 
 MIN_DOT_ROWS = 16  # tl.dot needs M >= 16 rows
@@ -34,7 +34,7 @@ def launch_options(
     block_m: int,
     prefill: bool,
     fp8_decode: bool = False,
-    bf16_decode_programs: int | None = None,
+    decode_programs: int | None = None,
     interpreting: bool = False,
 ) -> dict:
     """``DOT_FP32``, warps and stages of an attention launch.
@@ -45,36 +45,51 @@ def launch_options(
         block_m: rows of the program's q tile.
         prefill: a prefill tile (several tokens of packed requests).
         fp8_decode: one-token decode over an FP8 cache.
-        bf16_decode_programs: the grid size of a one-token bf16 decode, else None.
+        decode_programs: the grid size of a one-token decode, else None.
         interpreting: the Triton interpreter, whose bf16 dots are wrong (widen the operands).
 
     Returns:
-        Keyword options of the launch. sm_90: 8 warps for bf16 decode (16 rows; 4 warps spill) and
-        128-row prefill tiles; 4 warps for FP8 decode and prefill tiles of <= 64 rows. 3 stages for a
-        one-token bf16 decode grid of at most one program per SM (two blocks in flight behind the one
-        it computes) and for FP8 decode (1-byte tiles leave room for two 3-stage programs per SM); 2
-        otherwise. gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
+        Keyword options of the launch. sm_90, a one-token decode grid of at most one program per SM
+        (one wave): 8 warps; 3 stages for bf16 KV (two blocks in flight behind the one it computes), 2
+        for FP8 KV (its program issues twice a bf16 one's instructions per warp, so the wave is bound by
+        instruction latency on too few warps). Larger decode grids: bf16 8 warps (16 rows; 4 warps
+        spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room for two 3-stage
+        programs per SM). Prefill: 8 warps for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
+        gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
-        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True)
+        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256)
         {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 3}
+        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64)
+        {'DOT_FP32': False, 'num_warps': 8, 'num_stages': 2}
     """
     if interpreting or vendor == "cpu":
         return dict(DOT_FP32=True, num_warps=4)
     if vendor == "amd":
         return dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    one_wave = bf16_decode_programs is not None and bf16_decode_programs <= sm_count
-    num_warps = 4 if fp8_decode or (prefill and block_m <= 64) else 8
-    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave or fp8_decode else 2)
+    one_wave = decode_programs is not None and decode_programs <= sm_count
+    if fp8_decode:
+        # H200, TP1 / TP8 B1 s32768 (graph replay): 4 warps 3 stages 8.77 / 6.73 us, 8 warps 2 stages 7.62 / 6.31
+        # us; at B32 (256 programs) 8 warps took 17.3 us against 13.0 (bench/NOTES.md, session 24)
+        return dict(DOT_FP32=False, num_warps=8 if one_wave else 4, num_stages=2 if one_wave else 3)
+    num_warps = 4 if prefill and block_m <= 64 else 8
+    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
 
 def kernel_options(
-    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, bf16_decode_programs: int | None = None
+    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, decode_programs=None
 ) -> dict:
-    """:func:`launch_options` for ``device``."""
+    """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
+
+    A symbolic one-token bf16 decode grid takes its trace's hint (only the stage count follows it); a symbolic
+    FP8 one gets the multi-wave options: the one-wave 8 warps cost a 32-token FP8 step a third more (bench/NOTES.md,
+    session 24), and a graph traced at one request runs every batch.
+    """
+    if isinstance(decode_programs, torch.SymInt):
+        decode_programs = None if fp8_decode else size_hint(decode_programs)
     if platform.interpreting() or device.type != "cuda":
-        return launch_options("cpu", None, block_m, prefill, fp8_decode, bf16_decode_programs, interpreting=True)
+        return launch_options("cpu", None, block_m, prefill, fp8_decode, decode_programs, interpreting=True)
     vendor = platform.platform_for(device).vendor
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index) if vendor == "nvidia" else None
-    return launch_options(vendor, sms, block_m, prefill, fp8_decode, bf16_decode_programs)
+    return launch_options(vendor, sms, block_m, prefill, fp8_decode, decode_programs)

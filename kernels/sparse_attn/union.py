@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
-from mm3_compile.kernels._launch import launch, size_hint, use_pdl
+from mm3_compile.kernels._launch import launch, use_pdl
 from mm3_compile.kernels.fp8 import fp8_launch
 from mm3_compile.kernels.sparse_attn import schedule
 from mm3_compile.kernels.sparse_attn.jit import (
@@ -526,7 +526,6 @@ def launch_sparse_attn(
     )
     grid = (triton.cdiv(total_q, block_q) * num_splits, Hkv)
     decode_tile = cu_seqlens_q is None and block_q == 1
-    bf16_decode = fmt is None and decode_tile
     # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
     pdl = cu_seqlens_q is None and use_pdl(q.device)
     extra = dict(launch_pdl=True) if pdl else {}
@@ -583,6 +582,6 @@ def launch_sparse_attn(
             block_q * block_h,
             prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,
-            bf16_decode_programs=size_hint(grid[0] * Hkv) if bf16_decode else None,
+            decode_programs=grid[0] * Hkv if decode_tile else None,
         ),
     )

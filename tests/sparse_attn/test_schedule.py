@@ -4,6 +4,8 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn import decode as decode_kernels
@@ -103,9 +105,10 @@ def test_split_plan_fills_the_target_grid():
     assert decode_kernels.split_plan(3, 1, 4, cpu) == (2, 2)
 
 
-def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
+def test_one_token_decode_options_follow_the_wave(monkeypatch):
     """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 3 stages while the
-    grid fits one wave; FP8 decode keeps two programs per SM and runs 3 stages."""
+    grid fits one wave; FP8 decode aims at two programs per SM and runs 8 warps in 2 stages while its grid
+    fits one wave (B1), 4 warps in 3 stages above."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(decode_kernels, "interpreting", lambda: False)
@@ -119,10 +122,18 @@ def test_one_token_bf16_decode_runs_one_wave_with_three_stages(monkeypatch):
     assert decode_kernels.split_plan(32, 1, 16, cuda, fp8) == (8, 2)
     assert decode_kernels.split_plan(128, 4, 16, cuda, bf16) == (1, 16)  # TP1 B128: 4 programs per SM
     options = functools.partial(attn_schedule.kernel_options, cuda, 16, False)
-    assert options(bf16_decode_programs=132)["num_stages"] == 3
-    assert options(bf16_decode_programs=133)["num_stages"] == 2
-    assert options(bf16_decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
+    assert options(decode_programs=132)["num_stages"] == 3
+    assert options(decode_programs=133)["num_stages"] == 2
+    assert options(decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
+    assert decode_kernels.split_plan(1, 4, 16, cuda, fp8) == (16, 1)  # TP1 B1: 64 programs, one wave
+    assert options(fp8_decode=True, decode_programs=64) == dict(DOT_FP32=False, num_warps=8, num_stages=2)
+    assert options(fp8_decode=True, decode_programs=256) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
     assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
+    # a symbolic grid (a trace at one request runs every batch): bf16 follows the hint, FP8 takes the multi-wave options
+    env = ShapeEnv()
+    programs = env.create_symintnode(env.create_symbol(64, ConstantSource("programs")), hint=64)
+    assert options(decode_programs=programs)["num_stages"] == 3
+    assert options(fp8_decode=True, decode_programs=programs) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
 
 
 def test_shared_counters_are_real_cuda_tensors_only():
