@@ -300,7 +300,7 @@ def token_slots(
     """:func:`select_slots` for one token: ids [BLOCK_T] (-1 past n_slots) and their pages [BLOCK_T] (-1: slot
     skipped), by the same rule.  The list, the seq_len and the request's whole block-table row are loaded at
     once and the pages are picked from the row in registers, so a decode program's chain of dependent loads
-    is seq_len | list | table row -> K/V, one latency shorter than the listed entries' gather."""
+    is seq_len | list | table row -> K/V, one dependent load fewer than the listed entries' gather."""
     slots = tl.arange(0, BLOCK_T)
     ids = tl.load(
         topk_ptr + kv_head.to(tl.int64) * stride_tkh + token.to(tl.int64) * stride_tkt + slots * stride_tks,

@@ -148,16 +148,16 @@ def sparse_attn_fwd_kernel(
     ROW_PAGES: tl.constexpr = BLOCK_Q == 1 and not VARLEN and not LONG_LIST and TABLE_ROW > 0
     if ROW_PAGES:
         # one token per tile (BLOCK_M = BLOCK_H rows of it): its request from arithmetic, no load to wait on
-        tok_req_row = tile // q_per_req
+        tile_req = tile // q_per_req
         tok_ids, tok_pages = token_slots(
             topk_ptr,
             block_table_ptr,
             seq_lens_ptr,
             kv_head,
             tile,
-            tok_req_row,
+            tile_req,
             q_per_req,
-            tile - tok_req_row * q_per_req,
+            tile - tile_req * q_per_req,
             num_blocks,
             max_blocks,
             stride_tkh,
