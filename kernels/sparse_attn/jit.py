@@ -277,6 +277,18 @@ def slot_window(seq_lens_ptr, req, q_len, offset, token_ok, T):
 
 
 @triton.jit
+def listed_id_ok(ids, last_block, max_blocks):
+    """The contract's id rule: a listed block id counts if it is in [0, p // 128] and inside the block table."""
+    return (ids >= 0) & (ids <= last_block) & (ids < max_blocks)
+
+
+@triton.jit
+def page_ok(pages, num_blocks):
+    """The contract's page rule: a block-table entry counts if it names a page of the cache."""
+    return (pages >= 0) & (pages < num_blocks)
+
+
+@triton.jit
 def token_slots(
     topk_ptr,
     block_table_ptr,
@@ -316,9 +328,9 @@ def token_slots(
     pos = tl.load(seq_lens_ptr + req) - q_len + offset
     last_block = tl.where(pos >= 0, pos // PAGE, -1)
     ids = tl.where(slots < tl.minimum(T, last_block + 1), ids, -1)
-    valid = (ids >= 0) & (ids <= last_block) & (ids < max_blocks)
+    valid = listed_id_ok(ids, last_block, max_blocks)
     pages = tl.gather(row, tl.where(valid, ids, 0), 0)
-    valid = valid & (pages >= 0) & (pages < num_blocks)
+    valid = valid & page_ok(pages, num_blocks)
     return ids, tl.where(valid, pages, -1)
 
 
@@ -359,11 +371,11 @@ def select_slots(
         other=-1,
     )
     ids = tl.where(slots[None, :] < n_slots[:, None], ids, -1)
-    valid = (ids >= 0) & (ids <= last_block[:, None]) & (ids < max_blocks)
+    valid = listed_id_ok(ids, last_block[:, None], max_blocks)
     pages = tl.load(
         block_table_ptr + req[:, None].to(tl.int64) * stride_btr + tl.where(valid, ids, 0).to(tl.int64) * stride_btb,
         mask=valid,
         other=-1,
     )
-    valid = valid & (pages >= 0) & (pages < num_blocks)
+    valid = valid & page_ok(pages, num_blocks)
     return ids, pages, valid

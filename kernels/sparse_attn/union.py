@@ -36,7 +36,9 @@ from mm3_compile.kernels.sparse_attn.jit import (
     HUGE_LOGIT,
     PAGE,
     attend_block,
+    listed_id_ok,
     packed_requests,
+    page_ok,
     scalar_scales,
     select_slots,
     slot_window,
@@ -253,13 +255,13 @@ def sparse_attn_fwd_kernel(
             if LONG_LIST:
                 listed = tl.load(list_ptr + slot * stride_tks)
                 repeat = tl.max(((tok_ids == listed) & (slots < slot)).to(tl.int32)) > 0
-                id_ok = (listed >= 0) & (listed <= tok_last_block) & (listed < max_blocks) & ~repeat
+                id_ok = listed_id_ok(listed, tok_last_block, max_blocks) & ~repeat
                 listed_page = tl.load(
                     block_table_ptr + tok_req.to(tl.int64) * stride_btr + tl.where(id_ok, listed, 0) * stride_btb,
                     mask=id_ok,
                     other=-1,
                 )
-                listed_ok = id_ok & (listed_page >= 0) & (listed_page < num_blocks)
+                listed_ok = id_ok & page_ok(listed_page, num_blocks)
                 slot_key = tl.where(listed_ok, (listed_page.to(tl.int64) << 32) | listed.to(tl.int64), -1)
             else:
                 slot_key = tl.max(tl.where(slots == slot, slot_keys, -1))
