@@ -55,8 +55,20 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch ``kernel``; inside a traced op body this records a Triton kernel node instead."""
+def launch(kernel, grid, *args, maxnreg: int | None = None, **kwargs) -> None:
+    """Launch ``kernel``; inside a traced op body this records a Triton kernel node instead.
+
+    ``maxnreg`` caps the registers per thread (PTX ``.maxnreg``) of a kernel that declares the constexpr
+    ``MAXNREG``, which carries the cap (0: none) into the kernel's arguments. An eager launch passes it to
+    Triton as the compile option; a traced one cannot (Inductor's user-kernel path forwards no ``maxnreg``),
+    so ``lowerings/kernel_options.py`` reads the constexpr when Inductor compiles the kernel.
+    """
+    if "MAXNREG" in kernel.arg_names:
+        kwargs["MAXNREG"] = maxnreg or 0
+        if maxnreg and not platform.interpreting() and not launches_traced():
+            kwargs["maxnreg"] = maxnreg
+    elif maxnreg is not None:
+        raise ValueError(f"maxnreg: kernel {kernel.__name__} declares no MAXNREG constexpr to carry the cap")
     if platform.interpreting():
         with _interpreter_lock, _language_patched_once():
             torch.library.wrap_triton(kernel)[grid](*args, **kwargs)

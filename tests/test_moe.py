@@ -73,9 +73,11 @@ def test_schedule_is_pure_and_picks_decode_or_prefill():
     assert schedule(4, 6144, 3072, 129, False, x_mx=True).BLOCK_N == 128
     assert schedule(4, 6144, 3072, 1, False, x_mx=True).BLOCK_N == 64
     assert schedule(None, 6144, 6144, 128, False).BLOCK_M == 16
-    # prefill: the dequantized weight as the dot's register operand; wider tiles when x is MXFP8 too
+    # prefill: the dequantized weight as the dot's register operand; GEMM2 one 8-warp tile capped at 128 registers
+    # for every prefill size (two programs per SM), its 128 rows dividing both align layouts
     assert prefill.SWAP_AB and not decode.SWAP_AB
-    assert schedule(16384, 6144, 3072, 128, False, x_mx=True).BLOCK_N == 2 * prefill.BLOCK_N
+    gemm2 = {schedule(rows, 6144, 3072, 128, False, x_mx=True) for rows in (8192, 16384, 32768)}
+    assert len(gemm2) == 1 and (gemm2.pop().BLOCK_M, decode.maxnreg, prefill.maxnreg) == (128, None, None)
     assert isinstance(schedule(4, 64, 64, 8, True), GemmConfig)
     # the one-expert linear splits k until its grid fills 3 programs per SM (132 SMs): qkv and o at one token; never
     # a grouped GEMM, a prefill-sized linear or a device of unknown size
@@ -537,7 +539,7 @@ def test_gpu_real_width_moe_matches_float64(device):
 
 
 SM90_COMPILE = """
-import sys
+import re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -565,10 +567,12 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
         HAS_SHARED=not SPLIT, ROUND_BF16=not FP32, INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16,
         BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128,
         SPLIT_K=4 if SPLIT else 1, K_ALIGN=16, PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
-        DOT_DTYPE=tl.float32 if FP32 else tl.bfloat16,
+        DOT_DTYPE=tl.float32 if FP32 else tl.bfloat16, MAXNREG=(config.maxnreg or 0) if config else 0,
         **fp8.constexprs(),
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4, num_stages=3)
+    if config and config.maxnreg:
+        options["maxnreg"] = config.maxnreg
     x_ptr = "*bf16" if SPLIT else "*fp32" if FP32 else "*fp8e4nv"
     pointers = (x_ptr, "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
     signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 5))
@@ -580,7 +584,8 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     fits = "FITS" if compiled.metadata.shared <= SM90_SHARED else f"SHARED-{compiled.metadata.shared}"
-    print(variant, "MMA" if "mma" in compiled.asm["ptx"] else "NO-MMA", fits)
+    cap = re.search(r"\\.maxnreg (\\d+)", compiled.asm["ptx"])
+    print(variant, "MMA" if "mma" in compiled.asm["ptx"] else "NO-MMA", fits, cap.group(1) if cap else "uncapped")
 """
 
 
@@ -589,7 +594,8 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
     a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
     ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
     only): the decode tile in both operand orders, GEMM2's prefill schedule, GEMM1's two prefill schedules with
-    fp32 x (their stages cut to fit) and the split-k linear, each within sm_90's shared memory per program."""
+    fp32 x (their stages cut to fit) and the split-k linear, each within sm_90's shared memory per program; GEMM2's
+    prefill tile with its register cap in the PTX."""
     variants = ["plain", "swap", "prefill", "prefill_fp32", "mid_fp32", "split"]
     proc = run_python(SM90_COMPILE, *variants, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
@@ -597,4 +603,6 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
     assert proc.returncode == 0, proc.stderr[-3000:]
     # a tensor-core dot on the dequantized tiles of every variant but fp32 x (exact fp32 dots, no tensor cores)
     dots = ["NO-MMA" if v.endswith("fp32") else "MMA" for v in variants]
-    assert proc.stdout.split() == [word for v, dot in zip(variants, dots) for word in (v, dot, "FITS")], proc.stdout
+    caps = ["128" if v == "prefill" else "uncapped" for v in variants]
+    expected = [word for v, dot, cap in zip(variants, dots, caps) for word in (v, dot, "FITS", cap)]
+    assert proc.stdout.split() == expected, proc.stdout

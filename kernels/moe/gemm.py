@@ -99,6 +99,7 @@ def _mxfp8_gemm_kernel(
     FP8_MAX: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,
     FP8_NATIVE_STORE: tl.constexpr,
+    MAXNREG: tl.constexpr,  # the launch's register cap (0: none): read by launchers, not by this body (_launch.py)
 ):
     # sizes rebuilt from aligned units: the compiler sees their divisibility under Inductor's launch too
     N = n_units * 16

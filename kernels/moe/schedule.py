@@ -26,9 +26,12 @@ class GemmConfig:
     # load the scale tiles one k step ahead into registers: a prefill tile's scale tile is under 4 bytes per thread,
     # too narrow for the pipeliner's asynchronous copies, so each step waited on its scale load
     PREFETCH_SCALES: bool = False
+    # registers per thread at most (None: ptxas's choice): 128 lets two 8-warp programs share an SM
+    maxnreg: int | None = None
 
     def launch_options(self) -> dict:
         return {
+            "maxnreg": self.maxnreg,
             "BLOCK_N": self.BLOCK_N,
             "BLOCK_K": self.BLOCK_K,
             "SWAP_AB": self.SWAP_AB,
@@ -138,24 +141,22 @@ def schedule(
 
 
 def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
-    """Tensor-core tiles, the weight as the dot's register operand (``SWAP_AB``).
+    """Tensor-core tiles, the weight as the dot's register operand (``SWAP_AB``); GEMM2's tile is one for every size.
 
     H200, 8192 tokens x top-4 (256 rows per expert), routed experts (bench/NOTES.md, session 19): 256-row tiles
     with the scales loaded ahead took GEMM1 10.50 -> 6.54 ms (128 x 128 x 128 tiles, 3 stages, before). A 256-row
     tile dequantizes each weight tile once for twice the rows; it pads every expert's rows to a multiple of 256, so
     it starts where experts average 256 rows. GEMM2's tile divides GEMM1's: it runs over GEMM1's align layout.
     """
-    if rows_per_expert >= 256:
-        if x_mx:
-            # 128-row tiles of 4 warps, two per block of the 256-row layout: the kernel alone on random weights
-            # 6.83 ms against 8.18 ms for 256-row tiles of 8 warps (ncu: those hold 255 registers per thread, one
-            # program of 8 warps per SM, 0.26 instructions issued per cycle per scheduler)
-            return GemmConfig(128, 128, 32, 4, 5, SWAP_AB=True, PREFETCH_SCALES=True)
-        return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)
     if x_mx:
-        # GEMM2 (MXFP8 x, decoded per step too): 256 columns halve the x decode per output; the prefetch did not
-        # pay here (7.78 vs 7.98 ms)
-        return GemmConfig(128, 256, 128, 8, 3, SWAP_AB=True)
+        # GEMM2 (MXFP8 x, decoded per step too): 128-row tiles of 8 warps capped at 128 registers, two programs per
+        # SM (16 warps) over either align layout. H200, 8192 tokens, alone: 6.50 -> 5.06 ms against 4 warps at 254
+        # registers (two programs, 8 warps per SM); 8 warps uncapped take 143 registers, one program: 7.18 ms;
+        # 16 warps split the weight rows over two warp groups that both decode them: 8.1 ms (bench/NOTES.md,
+        # session 25). On the 256-row layout a block runs as two tiles, and a tile of pads only exits
+        return GemmConfig(128, 128, 32, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True, maxnreg=128)
+    if rows_per_expert >= 256:
+        return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)
     return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)  # 10.50 -> 7.95 ms
 
 
