@@ -1,7 +1,8 @@
 """Everything that touches Inductor/AOTAutograd internals, gated on the torch versions it was checked on.
 
 ``install()`` (run by ``import mm3_compile``) registers, for every ``mm3`` op, the functional
-decomposition that puts its Triton kernels into Inductor's generated code on GPUs.
+decomposition that puts its Triton kernels into Inductor's generated code on GPUs, and restores the
+compile options Inductor drops for them (``kernel_options``: register caps).
 ``compile_options()`` adds the post-grad SwiGLU+MXFP8 fusion pass; ``dynamic_shapes()`` is the
 symbolic-shape configuration under which serving batches never recompile.
 """
@@ -13,6 +14,7 @@ import torch
 import torch.fx.experimental._config
 
 from mm3_compile import ops
+from mm3_compile.lowerings import kernel_options
 from mm3_compile.lowerings.decompose import register_functional_decomposition
 from mm3_compile.lowerings.fusion import Mm3PostGradPass, fusion_installed
 
@@ -44,6 +46,7 @@ def install() -> None:
             *SUPPORTED_TORCH,
         )
         return
+    kernel_options.install()
     register_functional_decomposition(ops.quant.mxfp8_quantize, defer=fusion_installed)
     register_functional_decomposition(ops.quant.swiglu_oai_mxfp8_quant)
     for opdef in (
