@@ -26,7 +26,7 @@ from mm3_compile import platform
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.naive import grouped_gemm_ref, mx_dequantize_f64, mxfp8_linear_ref
 from mm3_compile.kernels.moe.naive import route_ref as route
-from mm3_compile.kernels.moe.schedule import GemmConfig
+from mm3_compile.kernels.moe.schedule import GemmConfig, layout_m
 from mm3_compile.models import MiniMaxM3Config
 from mm3_compile.ops.moe import gemm_schedule
 
@@ -54,7 +54,7 @@ def correctness(moe, device, tokens):
         ids, weights = routes(moe, x)
         k = ids.shape[1]
         E, two_i, H = ex.gate_up.values.shape
-        bm = gemm_schedule(T * k, two_i, H, E, device).BLOCK_M
+        bm = layout_m(gemm_schedule(T * k, two_i, H, E, device))
         pairs, blocks = torch.ops.mm3.moe_align(ids, E, bm)
         g = torch.ops.mm3.mxfp8_grouped_gemm(x, ex.gate_up.values, ex.gate_up.scales, pairs, blocks, bm, k)
         act, act_s = torch.ops.mm3.swiglu_oai_mxfp8_quant(g, cfg.swiglu_alpha, cfg.swiglu_beta, cfg.swiglu_limit)

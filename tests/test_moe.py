@@ -162,6 +162,25 @@ def test_linear_matches_float64(target):
     torch.testing.assert_close(y32.double(), mxfp8_linear_ref(x, v, s), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_match_float64(dtype):
+    """``mm3::router_logits`` (the weight as three bf16 pieces for bf16 x, an fp32 dot otherwise) against the
+    float64 product: within ``2^-21`` (4.8e-7) of ``sum |x w|`` per logit, fp32 summation's bound at this width
+    (measured max 2.6e-8 of it for bf16 x, 2.7e-8 for fp32 x; the plain fp32 linear on the CPU: 1.1e-7 / 1.0e-7;
+    the H200's bound is in the GPU test below);
+    70 tokens (two 64-token programs), 12 experts (a masked column tile), H 320 (a masked k step)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 320, generator=g).to(dtype)
+    w = torch.randn(12, 320, generator=g) / math.sqrt(320)
+    w[3] *= 1e-30  # tiny weights: the small pieces stay normal in bf16 (it has fp32's exponent range)
+    got = torch.ops.mm3.router_logits(x, w)
+    ref = x.double() @ w.double().T
+    bound = x.double().abs() @ w.double().abs().T
+    assert got.dtype == torch.float32 and got.shape == (70, 12)
+    assert bool(((got.double() - ref).abs() <= 2.0**-21 * bound).all())
+    torch.testing.assert_close(torch.ops.mm3.router_logits(x[:1], w), got[:1])  # one token: the same sums
+
+
 @pytest.mark.parametrize(("T", "k"), [(1, 3), (70, 3), (70, 8)])  # 70: two 64-token interpreter programs
 def test_route_matches_the_reference(T, k):
     """``mm3::moe_route`` against the plain-PyTorch routing: the same experts in the same order (exact), weights
@@ -339,6 +358,88 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
     assert_bf16_close(outs[1][0], grouped_gemm_ref(x.double(), v1, s1, ids))
 
 
+def test_pair_tiles_list_each_experts_blocks_in_pairs():
+    """Random layouts (groups in expert order, unused blocks last): every used block is in exactly one listed tile,
+    a double's two blocks belong to one expert, and the lists follow the blocks' order."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        groups = int(torch.randint(1, 9, (1,), generator=g))
+        counts = torch.randint(0, 5, (groups,), generator=g)
+        unused = int(torch.randint(0, 4, (1,), generator=g))
+        be = torch.cat([torch.arange(groups).repeat_interleave(counts), torch.full((unused,), -1)]).to(torch.int32)
+        if be.numel() == 0:
+            continue
+        doubles, singles = gemm_kernels.pair_tiles(be, groups)
+        assert doubles.shape == (be.numel() // 2,) and singles.shape == (min(be.numel(), groups),)
+        expected_d, expected_s, b = [], [], 0
+        for c in counts.tolist():
+            expected_d += [b + 2 * j for j in range(c // 2)]
+            expected_s += [b + c - 1] if c % 2 else []
+            b += c
+        assert doubles.tolist() == expected_d + [-1] * (doubles.numel() - len(expected_d))
+        assert singles.tolist() == expected_s + [-1] * (singles.numel() - len(expected_s))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_paired_tiles_give_the_bits_of_block_wide_tiles(target):
+    """Row tiles of two layout blocks (GEMM1's 256-row tile over the 128-row layout), with each expert's odd last
+    block in a second launch, give the bits of tiles as wide as the blocks: experts of 3 blocks (and the shared
+    expert's 3), 2 blocks, 1 block and none; GEMM2 too; through the op (block_m half the schedule's tile) as well."""
+    T = 40
+    v1, s1, v2, s2, x, _, w = two_gemms(target, T, (31, 32, 33))
+    ids = torch.full((T, K_TOP), 5)
+    ids[:, 0] = 0  # 40 pairs: 3 blocks of 16
+    ids[:20, 1] = 1  # 20 pairs: 2 blocks
+    ids[20, 1] = 2  # one pair
+    sh1, sh1_s = weights(target, (1, 2 * I, H), 34)
+    sh2, sh2_s = weights(target, (1, H, I), 35)
+    with platform.emulate(target):
+        fmt = platform.fp8_format(platform.mxfp8_value_dtype(x.device))
+        shared = (sh1[0], sh1_s[0])
+        full = torch.cat([ids, torch.full((T, 1), E)], 1)
+        pairs, blocks = torch.ops.mm3.moe_align(full, E + 1, BLOCK_M)
+        a, a_s = torch.ops.mm3.mxfp8_quantize(torch.randn(T * (K_TOP + 1), I))
+        flat_w = torch.rand(T * (K_TOP + 1))
+        outs = []
+        for tile in (BLOCK_M, 2 * BLOCK_M):
+            config = dataclasses.replace(schedule(T * 3, 2 * I, H, E, True), BLOCK_M=tile, SWAP_AB=True)
+            tail = dataclasses.replace(config, BLOCK_M=BLOCK_M)
+            g1 = gemm_kernels.mxfp8_gemm(
+                x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP + 1, None, shared, BLOCK_M, tail
+            )
+            g2 = gemm_kernels.mxfp8_gemm(
+                a,
+                a_s.view(torch.uint8),
+                v2,
+                s2,
+                fmt,
+                config,
+                torch.float32,
+                pairs,
+                blocks,
+                1,
+                flat_w,
+                (sh2[0], sh2_s[0]),
+                BLOCK_M,
+                tail,
+            )
+            outs.append((g1, g2))
+        assert gemm_kernels.pair_tiles(blocks, E + 1)[1].ge(0).sum() == 3  # experts 0, 2 and the shared one
+        with pytest.raises(ValueError, match="tail_config"):
+            gemm_kernels.mxfp8_gemm(
+                x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP + 1, None, shared, BLOCK_M, config
+            )
+        # the op: the interpreter's 64-row schedule over a 32-row layout runs paired
+        pairs32, blocks32 = torch.ops.mm3.moe_align(ids, E, 2 * BLOCK_M)
+        assert schedule(T * K_TOP, 2 * I, H, E, True).BLOCK_M == 4 * BLOCK_M
+        op = torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs32, blocks32, 2 * BLOCK_M, K_TOP)
+        plain = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=2 * BLOCK_M)
+        ref_op = gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, plain, torch.bfloat16, pairs32, blocks32, K_TOP)
+    assert all(torch.equal(a_, b_) for a_, b_ in zip(*outs))
+    assert torch.equal(op, ref_op)
+    assert_bf16_close(op, grouped_gemm_ref(x.double(), v1, s1, ids))
+
+
 def test_nan_and_inf_rows_propagate_like_the_reference():
     v1, s1 = weights("sm_90", (E, 2 * I, H), 4)
     x = torch.randn(5, H).to(torch.bfloat16)
@@ -438,6 +539,7 @@ def test_opcheck():
     pairs, blocks = torch.ops.mm3.moe_align(ids, E, BLOCK_M)
     torch.library.opcheck(torch.ops.mm3.moe_align.default, (ids, E, BLOCK_M))
     torch.library.opcheck(torch.ops.mm3.moe_route.default, (torch.randn(3, E), torch.randn(E), K_TOP, 2.0))
+    torch.library.opcheck(torch.ops.mm3.router_logits.default, (x, torch.randn(E, H)))
     # typed FP8 weights: opcheck's schema check cannot compare FP8 tensors on the CPU (no mul kernel), the rest runs
     tests = ("test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(
@@ -495,6 +597,8 @@ def test_bad_inputs_name_the_argument(fake):
         (lambda: torch.ops.mm3.mxfp8_linear(x, v1[0], s1[0].T), ValueError, "scales"),
         (lambda: torch.ops.mm3.mxfp8_linear(x.int(), v1[0], s1[0]), TypeError, "x"),
         (lambda: torch.ops.mm3.moe_route(x, torch.zeros(H), 2, 1.0), TypeError, "logits"),
+        (lambda: torch.ops.mm3.router_logits(x, torch.zeros(E, H, dtype=torch.bfloat16)), TypeError, "weight"),
+        (lambda: torch.ops.mm3.router_logits(x[:, :32], torch.zeros(E, H)), ValueError, "x"),
         (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H + 1), 2, 1.0), ValueError, "correction_bias"),
         (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H), H + 1, 1.0), ValueError, "top_k"),
         (lambda: torch.ops.mm3.moe_route(x.float(), torch.zeros(H), 2, math.inf), ValueError, "scaling"),
@@ -509,6 +613,22 @@ def test_bad_inputs_name_the_argument(fake):
     if not fake:  # index values are checked on CPU tensors
         with pytest.raises(ValueError, match=r"^ids: expected expert ids in \[0, 8\)"):
             torch.ops.mm3.moe_align(ids + E, E, BLOCK_M)
+
+
+@pytest.mark.gpu
+def test_gpu_router_logits_at_the_m3_width_match_float64(device):
+    """The split-bf16 kernel at a prefill's size (4096 tokens, H 6144, 128 experts; the decode sizes take the fp32
+    linear) within ``2^-22`` (2.4e-7) of ``sum |x w|``: tensor cores add products without rounding to nearest, so
+    each k step's dot is summed by the CUDA cores (H200: measured 3.2-3.9e-8 at 2048 and 8192 tokens; 8.1e-7 with
+    one accumulating dot; cuBLAS's fp32 GEMM 7.2e-8)."""
+    g = torch.Generator(device=device).manual_seed(7)
+    x = torch.randn(4096, 6144, generator=g, device=device).to(torch.bfloat16)
+    w = torch.randn(128, 6144, generator=g, device=device) / math.sqrt(6144)
+    got = torch.ops.mm3.router_logits(x, w)
+    ref = x.double() @ w.double().T
+    bound = x.double().abs() @ w.double().abs().T
+    err = float(((got.double() - ref).abs() / bound).max())
+    assert err <= 2.0**-22, err
 
 
 @pytest.mark.gpu
@@ -557,13 +677,16 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
         "prefill": schedule(32768, 6144, 3072, 128, False, x_mx=True),
         "prefill_fp32": schedule(32768, 6144, 6144, 128, False, x_bytes=4),
         "mid_fp32": schedule(16384, 6144, 6144, 128, False, x_bytes=4),
+        "paired": schedule(32768, 6144, 6144, 128, False),
     }.get(variant)
     SWAP = variant not in ("plain", "split")
     SPLIT = variant == "split"  # the one-token linear: bf16 x, plain rows, fp32 partials over 4 k splits
     FP32 = variant.endswith("fp32")
-    X_MX = not SPLIT and not FP32
+    PAIRED = variant == "paired"  # GEMM1's 256-row tile over two 128-row layout blocks, bf16 x
+    X_MX = not SPLIT and not FP32 and not PAIRED
     consts = dict(
-        GROUPED=not SPLIT, BLOCK_SPLIT=2 if variant == "prefill" else 1, TOP_K=1, X_MX=X_MX, HAS_WEIGHTS=X_MX,
+        GROUPED=not SPLIT, BLOCK_SPLIT=2 if variant == "prefill" else 1,
+        TILE_BLOCKS=2 if PAIRED else 0, TOP_K=1, X_MX=X_MX, HAS_WEIGHTS=X_MX,
         HAS_SHARED=not SPLIT, ROUND_BF16=not FP32, INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16,
         BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128,
         SPLIT_K=4 if SPLIT else 1, K_ALIGN=16, PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
@@ -573,8 +696,8 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else dict(num_warps=4, num_stages=3)
     if config and config.maxnreg:
         options["maxnreg"] = config.maxnreg
-    x_ptr = "*bf16" if SPLIT else "*fp32" if FP32 else "*fp8e4nv"
-    pointers = (x_ptr, "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*fp32")
+    x_ptr = "*bf16" if SPLIT or PAIRED else "*fp32" if FP32 else "*fp8e4nv"
+    pointers = (x_ptr, "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*u8", "*fp32", "*i32", "*i32", "*i32", "*fp32")
     signature = dict(zip(kernel.arg_names, pointers + ("i32",) * 5))
     signature.update(dict.fromkeys(consts, "constexpr"))
     constexprs = {(kernel.arg_names.index(k),): v for k, v in consts.items()}
@@ -594,9 +717,9 @@ def test_grouped_kernel_compiles_for_sm90_native_fp8():
     a typed FP8 load, a pointer chosen at run time): compile the sm_90 typed-FP8 variant with the shared expert
     ahead of time, without a GPU, in a process with the interpreter off (Triton's CUDA backend and its ptxas
     only): the decode tile in both operand orders, GEMM2's prefill schedule, GEMM1's two prefill schedules with
-    fp32 x (their stages cut to fit) and the split-k linear, each within sm_90's shared memory per program; GEMM2's
+    fp32 x (their stages cut to fit), GEMM1's 256-row tile over paired layout blocks and the split-k linear, each within sm_90's shared memory per program; GEMM2's
     prefill tile with its register cap in the PTX."""
-    variants = ["plain", "swap", "prefill", "prefill_fp32", "mid_fp32", "split"]
+    variants = ["plain", "swap", "prefill", "prefill_fp32", "mid_fp32", "paired", "split"]
     proc = run_python(SM90_COMPILE, *variants, env_drop=("TRITON_INTERPRET",))
     if proc.returncode != 0 and ("ptxas" in proc.stderr.lower() or "GPUTarget" in proc.stderr):
         pytest.skip("no Triton CUDA backend to compile with: " + proc.stderr[-200:])

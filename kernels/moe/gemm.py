@@ -13,6 +13,8 @@ Programs of row blocks that belong to no expert exit before reading anything: on
 are read, once per column tile.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -73,6 +75,7 @@ def _mxfp8_gemm_kernel(
     out_ptr,  # [P, N]; [SPLIT_K, P, N] fp32 partial sums when SPLIT_K > 1
     pairs_ptr,  # [NB * BLOCK_M] int32 pair per aligned row, -1 pads (GROUPED)
     block_expert_ptr,  # [NB] int32 expert per row block, -1 = no rows (GROUPED)
+    tiles_ptr,  # [grid 0] int32 first layout block of each program's tile, -1 = none (TILE_BLOCKS > 0)
     pair_weights_ptr,  # [P] fp32 (HAS_WEIGHTS)
     rows,  # P: output rows
     num_experts,  # E: block_expert entries outside [0, E + HAS_SHARED) have no rows
@@ -81,6 +84,7 @@ def _mxfp8_gemm_kernel(
     split_steps,  # BLOCK_K steps per split (all of K's when SPLIT_K is 1)
     GROUPED: tl.constexpr,
     BLOCK_SPLIT: tl.constexpr,  # row tiles per aligned block of block_expert (its BLOCK_SPLIT * BLOCK_M rows)
+    TILE_BLOCKS: tl.constexpr,  # > 0: each tile spans this many consecutive blocks of one expert, listed in tiles_ptr
     K_ALIGN: tl.constexpr,  # the largest power of two <= 16 dividing K / 32: scale rows start that aligned
     TOP_K: tl.constexpr,  # x row of pair p is p // TOP_K
     X_MX: tl.constexpr,
@@ -110,12 +114,20 @@ def _mxfp8_gemm_kernel(
     pid_k = tl.program_id(2)
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if GROUPED:
-        expert = tl.load(block_expert_ptr + pid_b // BLOCK_SPLIT)
+        if TILE_BLOCKS > 0:
+            first = tl.load(tiles_ptr + pid_b)
+            offs = first * (BLOCK_M // TILE_BLOCKS) + tl.arange(0, BLOCK_M)
+            expert = tl.load(block_expert_ptr + tl.maximum(first, 0))
+            expert = tl.where(first >= 0, expert, -1)
+            listed = (first + tl.zeros([BLOCK_M], dtype=tl.int32)) >= 0  # [BLOCK_M]
+            pairs = tl.load(pairs_ptr + offs, mask=listed, other=-1)
+        else:
+            expert = tl.load(block_expert_ptr + pid_b // BLOCK_SPLIT)
+            pairs = tl.load(pairs_ptr + offs)
         groups = num_experts
         if HAS_SHARED:
             groups = num_experts + 1
         expert = tl.where(expert < groups, expert, -1)
-        pairs = tl.load(pairs_ptr + offs)
         valid = (pairs >= 0) & (pairs < rows)  # a stray entry is skipped, never read or written out of bounds
     else:
         expert = pid_b * 0  # a tensor like the grouped branch's, for the same code below
@@ -254,6 +266,34 @@ def _units(n: int, what: str) -> int:
     return n // 16
 
 
+def _compact(mask: torch.Tensor, cap) -> torch.Tensor:
+    """[NB] bool -> [cap] int32: the indices where ``mask`` holds, in order, then -1 (static size, no host sync)."""
+    dest = torch.where(mask, torch.cumsum(mask, 0) - 1, cap)  # every unlisted block to one slot past the list
+    index = torch.arange(mask.shape[0], dtype=torch.int32, device=mask.device)
+    listed = torch.full((cap + 1,), -1, dtype=torch.int32, device=mask.device).scatter(0, dest, index)
+    return listed[:cap]
+
+
+def pair_tiles(block_expert: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_expert [NB] (groups in expert order, -1 past the last) -> the paired tiles' first blocks.
+
+    Each expert's blocks pair up from its first one: ``doubles [NB // 2]`` lists the first block of every pair,
+    ``singles [min(NB, groups)]`` the odd last block of each expert that has one; -1 past the listed tiles.
+
+    Examples:
+        >>> doubles, singles = pair_tiles(torch.tensor([0, 0, 0, 2, 3, 3, -1], dtype=torch.int32), 4)
+        >>> doubles.tolist(), singles.tolist()
+        ([0, 4, -1], [2, 3, -1, -1])
+    """
+    nb = block_expert.shape[0]
+    key = torch.where(block_expert >= 0, block_expert, groups)  # ascending: unused blocks sort last
+    first = torch.searchsorted(key, key)  # [NB] first block of each block's group
+    index = torch.arange(nb, device=key.device)
+    head = (block_expert >= 0) & ((index - first) % 2 == 0)
+    same_next = torch.cat([key[1:] == key[:-1], torch.zeros(1, dtype=torch.bool, device=key.device)])
+    return _compact(head & same_next, nb // 2), _compact(head & ~same_next, torch.sym_min(nb, groups))
+
+
 def mxfp8_gemm(
     x: torch.Tensor,  # [M, K] contiguous float, or MXFP8 values when x_scales is given
     x_scales: torch.Tensor | None,  # [M, K / 32] uint8
@@ -268,11 +308,14 @@ def mxfp8_gemm(
     pair_weights: torch.Tensor | None = None,  # [M * top_k] fp32
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # [N, K] values, [N, K / 32] uint8: group E
     layout_m: int | None = None,  # rows per block of the aligned layout (grouped; default config.BLOCK_M)
+    tail_config: GemmConfig | None = None,  # paired tiles: the config of an expert's odd last block
 ) -> torch.Tensor:
     """out [M * top_k, N]: grouped over ``block_expert`` when given, else the plain ``x @ values[0]^T``.
 
     The aligned layout's blocks (``layout_m`` rows) may be wider than the row tile: each block then runs as
-    ``layout_m / BLOCK_M`` tiles of its expert, and tiles holding only pads exit.
+    ``layout_m / BLOCK_M`` tiles of its expert, and tiles holding only pads exit. A row tile of twice the
+    blocks (paired tiles) spans two consecutive blocks of one expert; an expert's odd last block runs in a second
+    launch with ``tail_config`` (default: the config at ``layout_m`` rows), so no tile is half pads by layout.
 
     With ``shared``, row blocks of group ``E`` (one past the routed experts) read that weight: the shared expert
     runs in the routed launch, its programs beside the routed ones.
@@ -295,10 +338,11 @@ def mxfp8_gemm(
     split_steps = triton.cdiv(k_steps, splits)
     target = empty_row_major((splits, rows, N), torch.float32, x.device) if split > 1 else out
     layout_m = config.BLOCK_M if layout_m is None else layout_m
-    if grouped and layout_m % config.BLOCK_M != 0:
-        raise ValueError(f"layout_m: expected a multiple of the row tile {config.BLOCK_M}, got {layout_m}")
-    block_split = layout_m // config.BLOCK_M
-    nb = block_expert.shape[0] * block_split if grouped else triton.cdiv(M, config.BLOCK_M)
+    paired = grouped and config.BLOCK_M == 2 * layout_m
+    if grouped and not paired and layout_m % config.BLOCK_M != 0:
+        raise ValueError(
+            f"layout_m: expected a multiple of the row tile {config.BLOCK_M} or half of it, got {layout_m}"
+        )
     # Inductor launches without Triton's divisible-by-16 specialisation of ints: the alignment of K / 32 (the
     # scale rows' stride) travels as a constexpr, or the scale loads of a split at an odd multiple of 8 scale
     # bytes went byte by byte (2x slower, H200)
@@ -308,40 +352,57 @@ def mxfp8_gemm(
     w = fp8.view(values)
     xk = x if x_scales is None else fp8.view(x)
     dummy = w  # pointers of absent operands are never read (their constexpr branch is off)
-    grid = (nb, triton.cdiv(N, config.BLOCK_N), splits)
     round_bf16 = x_scales is not None or out_dtype == torch.bfloat16
-    launch(
-        _mxfp8_gemm_kernel,
-        grid,
-        xk,
-        x_scales if x_scales is not None else dummy,
-        w,
-        scales,
-        fp8.view(shared[0]) if shared is not None else dummy,
-        shared[1] if shared is not None else dummy,
-        target,
-        sorted_pairs if grouped else dummy,
-        block_expert if grouped else dummy,
-        pair_weights if pair_weights is not None else dummy,
-        rows,
-        E,
-        _units(N, "N"),
-        k_blocks // k_align,
-        split_steps,
-        K_ALIGN=k_align,
-        GROUPED=grouped,
-        BLOCK_SPLIT=block_split if grouped else 1,
-        TOP_K=top_k,
-        X_MX=x_scales is not None,
-        HAS_WEIGHTS=pair_weights is not None,
-        HAS_SHARED=shared is not None,
-        ROUND_BF16=round_bf16,
-        INT_ROUND=platform.interpreting(),
-        BLOCK_M=config.BLOCK_M,
-        DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
-        **config.launch_options(),
-        **fp8.constexprs(),
-    )
+
+    def run(cfg: GemmConfig, programs, tiles: torch.Tensor | None, tile_blocks: int, block_split: int) -> None:
+        launch(
+            _mxfp8_gemm_kernel,
+            (programs, triton.cdiv(N, cfg.BLOCK_N), splits),
+            xk,
+            x_scales if x_scales is not None else dummy,
+            w,
+            scales,
+            fp8.view(shared[0]) if shared is not None else dummy,
+            shared[1] if shared is not None else dummy,
+            target,
+            sorted_pairs if grouped else dummy,
+            block_expert if grouped else dummy,
+            tiles if tiles is not None else dummy,
+            pair_weights if pair_weights is not None else dummy,
+            rows,
+            E,
+            _units(N, "N"),
+            k_blocks // k_align,
+            split_steps,
+            K_ALIGN=k_align,
+            GROUPED=grouped,
+            BLOCK_SPLIT=block_split,
+            TILE_BLOCKS=tile_blocks,
+            TOP_K=top_k,
+            X_MX=x_scales is not None,
+            HAS_WEIGHTS=pair_weights is not None,
+            HAS_SHARED=shared is not None,
+            ROUND_BF16=round_bf16,
+            INT_ROUND=platform.interpreting(),
+            BLOCK_M=cfg.BLOCK_M,
+            DOT_DTYPE=_dot_dtype(x.dtype if x_scales is None else torch.bfloat16),
+            **cfg.launch_options(),
+            **fp8.constexprs(),
+        )
+
+    if paired:
+        tail = dataclasses.replace(config, BLOCK_M=layout_m) if tail_config is None else tail_config
+        if tail.BLOCK_M != layout_m:
+            raise ValueError(f"tail_config: expected BLOCK_M = layout_m = {layout_m}, got {tail.BLOCK_M}")
+        groups = E + (shared is not None)
+        doubles, singles = pair_tiles(block_expert, groups)
+        run(config, doubles.shape[0], doubles, 2, 1)
+        run(tail, singles.shape[0], singles, 1, 1)
+    elif grouped:
+        block_split = layout_m // config.BLOCK_M
+        run(config, block_expert.shape[0] * block_split, None, 0, block_split)
+    else:
+        run(config, triton.cdiv(M, config.BLOCK_M), None, 0, 1)
     if split > 1:
         numel = rows * N
         launch(

@@ -1,4 +1,5 @@
-"""The M3 router's selection in one kernel: sigmoid scores, top-k of ``score + bias``, renormalised weights.
+"""The M3 router: its logits on tensor cores at fp32 accuracy, and its selection in one kernel (sigmoid scores,
+top-k of ``score + bias``, renormalised weights).
 
 ``torch.topk`` and the ops around it were five kernels of a one-token MoE block (sigmoid, a radix select, a
 bitonic sort, a gather, the renormalisation: ~18 µs of a graph-replayed B1 step, bench/NOTES.md); here one
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from mm3_compile.kernels._launch import empty_row_major, launch
+from mm3_compile.kernels.moe.schedule import RouterConfig
 
 
 @triton.jit
@@ -91,3 +93,86 @@ def moe_route(
         num_warps=4,
     )
     return ids, weights
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,  # [T, H] bf16 (SPLIT3) or fp32
+    w_ptr,  # [E, H] fp32
+    out_ptr,  # [T, E] fp32
+    tokens,
+    num_experts,
+    h_units,  # H / 16
+    one,  # 1.0, a run-time value (see the leading piece's dot)
+    SPLIT3: tl.constexpr,  # the weight as three bf16 pieces, each in a bf16 dot with the bf16 x
+    PIECE_DTYPE: tl.constexpr,  # the pieces' dot dtype: bf16 (GPU), fp32 holding them (the interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out^T = w @ x^T with fp32 products and fp32 sums, on bf16 tensor cores.
+
+    A bf16 x is exact in bf16; an fp32 weight is the sum of three bf16 pieces (8 significant bits each: 24, all of
+    fp32's), so every product is exact. The weight pieces are the dot's left operand, which sm_90 reads from
+    registers (as the right one they went through shared memory: 181 vs 213 us at 8192 tokens, bench/NOTES.md
+    session 29). Tensor cores add products without rounding to nearest: one accumulating dot over all of H was
+    8.1e-7 of sum |x w| off the float64 logits. So each k step's leading-piece dot starts from zero and is added
+    to the fp32 sum by the CUDA cores (times a run-time 1.0: Triton folds a plain ``acc + dot`` back into an
+    accumulating dot): 3.2e-8, under cuBLAS's fp32 GEMM's 7.2e-8. The two small pieces (2^-8 of the leading one
+    and less) accumulate in their own dot chain.
+    """
+    H = h_units * 16
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < tokens
+    col_ok = cols < num_experts
+    x_rows = tl.where(row_ok, rows, 0).to(tl.int64) * H
+    w_rows = tl.where(col_ok, cols, 0).to(tl.int64) * H
+    unit = tl.cast(one, tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    small = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x = tl.load(x_ptr + x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if SPLIT3:
+            xt = tl.trans(x.to(PIECE_DTYPE))  # [BLOCK_K, BLOCK_M]
+            # any rounding of the cuts (the interpreter truncates) leaves an exact remainder for the next piece
+            hi = w.to(tl.bfloat16).to(tl.float32)
+            rest = w - hi
+            mid = rest.to(tl.bfloat16).to(tl.float32)
+            lo = (rest - mid).to(tl.bfloat16).to(tl.float32)
+            acc = acc + tl.dot(hi.to(PIECE_DTYPE), xt) * unit
+            small = tl.dot(mid.to(PIECE_DTYPE), xt, small)
+            small = tl.dot(lo.to(PIECE_DTYPE), xt, small)
+        else:
+            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    out = rows.to(tl.int64)[:, None] * num_experts + cols[None, :]
+    tl.store(out_ptr + out, tl.trans(acc + small), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterConfig, interpreting: bool) -> torch.Tensor:
+    """x [T, H] (bf16 for the split dots, else fp32), weight [E, H] fp32, both contiguous -> logits [T, E] fp32."""
+    T, H = x.shape
+    E = weight.shape[0]
+    out = empty_row_major((T, E), torch.float32, x.device)
+    launch(
+        _router_logits_kernel,
+        (triton.cdiv(T, config.BLOCK_M), triton.cdiv(E, config.BLOCK_N)),
+        x,
+        weight,
+        out,
+        T,
+        E,
+        H // 16,
+        1.0,
+        SPLIT3=x.dtype == torch.bfloat16,
+        PIECE_DTYPE=tl.float32 if interpreting else tl.bfloat16,
+        BLOCK_M=config.BLOCK_M,
+        BLOCK_N=config.BLOCK_N,
+        BLOCK_K=config.BLOCK_K,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

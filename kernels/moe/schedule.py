@@ -160,6 +160,32 @@ def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
     return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)  # 10.50 -> 7.95 ms
 
 
+# Rows per block of the align layout at most: GEMM2's prefill tile. GEMM1's 256-row tile spans two blocks of an
+# expert ("paired tiles") and an expert's odd last block runs on the 128-row tile: at 8192 tokens x top-4 the
+# 256-row layout held 235-239 blocks for 168 blocks' worth of pairs (bench routes, 3 seeds), pairs of 128-row
+# blocks 151-154 + 81-88 tails (CPU arithmetic, bench/NOTES.md session 29)
+LAYOUT_MAX_M = 128
+
+
+def layout_m(config: GemmConfig) -> int:
+    """Rows per block of the align layout both GEMMs run over, for GEMM1's ``config``.
+
+    Examples:
+        >>> layout_m(schedule(32768, 6144, 6144, 128, False))  # 256-row tiles over pairs of 128-row blocks
+        128
+        >>> layout_m(schedule(4, 6144, 6144, 128, False))
+        16
+    """
+    return min(config.BLOCK_M, LAYOUT_MAX_M)
+
+
+def tail_schedule(config: GemmConfig, x_bytes: int = 2) -> GemmConfig:
+    """The config of an expert's odd last layout block when ``config``'s row tile spans two blocks."""
+    if config.BLOCK_M == 2 * LAYOUT_MAX_M:
+        return _fit_stages(_prefill(LAYOUT_MAX_M, False), x_bytes)
+    return dataclasses.replace(config, BLOCK_M=config.BLOCK_M // 2)
+
+
 # shared memory the pipelined operand tiles of a prefill program may take (sm_90 allows 227 KB per program;
 # the rest is left to the epilogue and the compiler's own buffers)
 STAGE_BUDGET = 200 * 1024
@@ -183,3 +209,41 @@ def num_blocks(rows, num_experts: int, block_m: int):
     """
     bound = (rows + num_experts * (block_m - 1) + block_m - 1) // block_m
     return torch.sym_min(rows, bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    BLOCK_M: int  # tokens per program
+    BLOCK_N: int  # experts per program
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+# Tokens from which the router's logits take the split-bf16 kernel. H200, 6144 x 128 fp32 weight, graph replay
+# (bench/NOTES.md session 29): the fp32 linear (a bf16 -> fp32 copy of x and an FFMA GEMM) 400.1 us at 8192
+# tokens, 117.5 us at 2048, 26.5 us at 256; the kernel 126.7 / 95.1 us and ~90 us at any smaller count (its
+# programs' k loop is the floor): a decode step keeps the linear
+ROUTER_KERNEL_ROWS = 2048
+
+
+def router_schedule(rows: int | None, num_experts: int, hidden: int, interpreting: bool) -> RouterConfig | None:
+    """The router-logits kernel's tiles for ``rows`` tokens, or None: the plain fp32 linear (few or unknown rows,
+    a width not in 16s).
+
+    Examples:
+        >>> router_schedule(8192, 128, 6144, False)
+        RouterConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        >>> router_schedule(1, 128, 6144, False) is None
+        True
+    """
+    if hidden % 16 != 0:
+        return None
+    if interpreting:  # one program per 64 tokens: the interpreter pays per program
+        block_n = min(128, max(16, triton.next_power_of_2(num_experts)))
+        return RouterConfig(64, block_n, min(256, max(16, triton.next_power_of_2(hidden))), 4, 1)
+    if rows is None or rows < ROUTER_KERNEL_ROWS:
+        return None
+    # H200, 8192 / 2048 tokens (us): 64 x 64 x 128 on 4 warps 126.7 / 95.1, 128 x 64 x 64 124.9 / 128.4,
+    # 64 x 128 x 64 on 8 warps 141.2 / 140.2, 128 x 128 x 64 226.1 / 234.7
+    return RouterConfig(64, min(64, max(16, triton.next_power_of_2(num_experts))), 128, 4, 3)

@@ -11,7 +11,6 @@ experts that received pairs; the activation between the GEMMs is the MXFP8 outpu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mm3_compile.contract import MX_BLOCK_SIZE
@@ -93,7 +92,7 @@ class M3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        logits = F.linear(x.float(), self.gate_weight)  # [T, E] fp32
+        logits = torch.ops.mm3.router_logits(x, self.gate_weight)  # [T, E] fp32
         ids, weights = torch.ops.mm3.moe_route(
             logits, self.correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor
         )

@@ -1,5 +1,5 @@
-"""MoE ops: ``mm3::moe_route`` (the router's top-k) and, on MXFP8 weights, ``mm3::moe_align``,
-``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``, ``mm3::moe_experts``.
+"""MoE ops: ``mm3::router_logits`` and ``mm3::moe_route`` (the router's logits and top-k) and, on MXFP8
+weights, ``mm3::moe_align``, ``mm3::mxfp8_grouped_gemm``, ``mm3::mxfp8_linear``, ``mm3::moe_experts``.
 
 Weights are ``values [E, N, K]`` in the platform's MXFP8 value dtype (asked from the dtype authority for the
 input's device, at trace time under torch.compile) + E8M0 scale bytes ``[E, N, K/32]`` (uint8 or
@@ -19,7 +19,7 @@ from mm3_compile.kernels._launch import eager_launches, empty_row_major, require
 from mm3_compile.kernels.moe import align as align_kernels
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe import route as route_kernels
-from mm3_compile.kernels.moe.schedule import num_blocks, schedule
+from mm3_compile.kernels.moe.schedule import layout_m, num_blocks, router_schedule, schedule, tail_schedule
 from mm3_compile.ops._checks import FLOAT_DTYPES, check_finite, check_same_device, check_tensor, values_checked
 from mm3_compile.platform import E8M0_DTYPE
 
@@ -93,6 +93,50 @@ def _check_x(x: torch.Tensor, x_scales: torch.Tensor | None, K: int) -> None:
             )
     if x.shape[1] != K:
         raise ValueError(f"x: expected K = {K} columns (the weights' input width), got shape {tuple(x.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# router_logits
+
+
+def _check_router(x, weight) -> None:
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("weight", weight, dtypes=(torch.float32,), ndim=2)
+    check_same_device("x", x, weight=weight)
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x: expected {weight.shape[1]} columns (the router weight's width), got {tuple(x.shape)}")
+
+
+@torch.library.custom_op("mm3::router_logits", mutates_args=())
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The M3 router's fp32 logits ``x.float() @ weight^T``, on bf16 tensor cores for a prefill's bf16 x.
+
+    Args:
+        x: ``[T, H]`` hidden states (bf16/fp16/fp32).
+        weight: ``[E, H]`` fp32 router weight.
+
+    Returns:
+        ``[T, E]`` fp32 with fp32 products and fp32 sums (the weight split into three bf16 pieces, each product
+        exact; ``kernels/moe/route.py``), summed in another order than a cuBLAS fp32 GEMM. Few tokens (a decode
+        step; ``schedule.router_schedule``) or a non-bf16 x take the plain fp32 linear.
+
+    Examples:
+        >>> logits = torch.ops.mm3.router_logits(x, gate_weight)  # [T, E]
+    """
+    _check_router(x, weight)
+    interpreting = platform.interpreting()
+    config = router_schedule(size_hint(x.shape[0]), weight.shape[0], weight.shape[1], interpreting)
+    on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreting)
+    if config is None or x.dtype not in (torch.bfloat16, torch.float32) or not on_kernel_device:
+        return torch.nn.functional.linear(x.float(), weight)
+    with eager_launches():
+        return route_kernels.router_logits(x.contiguous(), weight.contiguous(), config, interpreting)
+
+
+@router_logits.register_fake
+def _(x, weight):
+    _check_router(x, weight)
+    return empty_row_major((x.shape[0], weight.shape[0]), torch.float32, x.device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,7 +221,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     Args:
         ids: ``[T, k]`` int32/int64 expert of each pair (pair index ``t * k + j``), values in ``[0, num_experts)``.
         num_experts: experts of the layer.
-        block_m: the GEMMs' row tile (``gemm_schedule(...).BLOCK_M``).
+        block_m: rows per block, ``layout_m(gemm_schedule(...))`` (GEMM1's row tile, or half of a 256-row one).
 
     Returns:
         ``sorted_pairs [NB * block_m]`` int32 (pair indices by expert, -1 pads) and ``block_expert [NB]`` int32
@@ -306,7 +350,10 @@ def mxfp8_grouped_gemm(
     config = gemm_schedule(
         x.shape[0] * top_k, N, K, groups, x.device, x_scales is not None, x.element_size(), splittable=False
     )
-    if block_m % config.BLOCK_M != 0:  # the schedule's row tile runs over the layout when it divides its blocks
+    tail = None
+    if config.BLOCK_M == 2 * block_m:  # paired tiles: two blocks of an expert per tile, its odd last block apart
+        tail = tail_schedule(config, x.element_size())
+    elif block_m % config.BLOCK_M != 0:  # the schedule's row tile runs over the layout when it divides its blocks
         config = dataclasses.replace(config, BLOCK_M=block_m)
     fmt = platform.fp8_format(w_values.dtype)
     with eager_launches():
@@ -324,6 +371,7 @@ def mxfp8_grouped_gemm(
             pair_weights,
             shared,
             layout_m=block_m,
+            tail_config=tail,
         )
 
 
@@ -480,7 +528,7 @@ def moe_experts(
         weights = torch.cat([weights, torch.ones((T, 1), dtype=torch.float32, device=weights.device)], 1)
         groups = E + 1
     T, k = ids.shape
-    block_m = gemm_schedule(T * k, two_i, H, groups, x.device).BLOCK_M
+    block_m = layout_m(gemm_schedule(T * k, two_i, H, groups, x.device))
     pairs, blocks = torch.ops.mm3.moe_align(ids, groups, block_m)
     gate_up = torch.ops.mm3.mxfp8_grouped_gemm(
         x,
