@@ -222,8 +222,8 @@ class RouterConfig:
 
 # Tokens from which the router's logits take the split-bf16 kernel. H200, 6144 x 128 fp32 weight, graph replay
 # (bench/NOTES.md session 29): the fp32 linear (a bf16 -> fp32 copy of x and an FFMA GEMM) 400.1 us at 8192
-# tokens, 117.5 us at 2048, 26.5 us at 256; the kernel 126.7 / 95.1 us and ~90 us at any smaller count (its
-# programs' k loop is the floor): a decode step keeps the linear
+# tokens, 117.5 us at 2048, 26.5 us at 256; this tile 126.7 / 95.1 us (not timed below 2048; a first tile's
+# time did not fall with the token count: its k loop is a floor), so a decode step keeps the linear
 ROUTER_KERNEL_ROWS = 2048
 
 

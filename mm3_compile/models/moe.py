@@ -1,7 +1,8 @@
-"""The M3 MoE block: fp32 sigmoid router (``mm3::moe_route``), routed experts on MXFP8 weights, one shared expert.
+"""The M3 MoE block: fp32 sigmoid router (``mm3::router_logits``, ``mm3::moe_route``), routed experts on MXFP8
+weights, one shared expert.
 
 Dispatch is static-shape: ``mm3::moe_align`` groups the ``T * top_k`` (token, expert) pairs by expert on
-device (each group padded to the GEMM row tile), ``mm3::mxfp8_grouped_gemm`` runs both expert GEMMs on the
+device (each group padded to the GEMM row tile, at most 128), ``mm3::mxfp8_grouped_gemm`` runs both expert GEMMs on the
 MXFP8 weights (values + E8M0 scales from ``mm3::mxfp8_quantize``), dequantized in registers, reading only the
 experts that received pairs; the activation between the GEMMs is the MXFP8 output of
 ``mm3::swiglu_oai_mxfp8_quant``, consumed as is; the router weights scale GEMM2's fp32 accumulator.
