@@ -360,7 +360,8 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
 
 def test_pair_tiles_list_each_experts_blocks_in_pairs():
     """Random layouts (groups in expert order, unused blocks last): every used block is in exactly one listed tile,
-    a double's two blocks belong to one expert, and the lists follow the blocks' order."""
+    a double's two blocks belong to one expert, and the lists follow the blocks' order; compiled by Inductor with a
+    symbolic block count (the prefill graphs trace it), the same lists from one graph."""
     g = torch.Generator().manual_seed(3)
     for _ in range(50):
         groups = int(torch.randint(1, 9, (1,), generator=g))
@@ -378,6 +379,14 @@ def test_pair_tiles_list_each_experts_blocks_in_pairs():
             b += c
         assert doubles.tolist() == expected_d + [-1] * (doubles.numel() - len(expected_d))
         assert singles.tolist() == expected_s + [-1] * (singles.numel() - len(expected_s))
+    # traced with a symbolic block count (a prefill graph of any token count): the same lists, one graph
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    traced = torch.compile(gemm_kernels.pair_tiles, backend=counter, dynamic=True, fullgraph=True)
+    for nb in (7, 12, 30):
+        be = torch.cat([torch.arange(5).repeat_interleave(nb // 5), torch.full((nb % 5,), -1)]).to(torch.int32)
+        for got, want in zip(traced(be, 5), gemm_kernels.pair_tiles(be, 5)):
+            assert torch.equal(got, want)
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("target", TARGETS)
