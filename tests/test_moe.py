@@ -164,11 +164,10 @@ def test_linear_matches_float64(target):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_router_logits_match_float64(dtype):
-    """``mm3::router_logits`` (the weight as three bf16 pieces for bf16 x, an fp32 dot otherwise) against the
+    """``mm3::router_logits`` (the weight as three bf16 pieces for bf16 x, the fp32 linear for fp32 x) against the
     float64 product: within ``2^-21`` (4.8e-7) of ``sum |x w|`` per logit, fp32 summation's bound at this width
-    (measured max 2.6e-8 of it for bf16 x, 2.7e-8 for fp32 x; the plain fp32 linear on the CPU: 1.1e-7 / 1.0e-7;
-    the H200's bound is in the GPU test below);
-    70 tokens (two 64-token programs), 12 experts (a masked column tile), H 320 (a masked k step)."""
+    (measured max 2.6e-8 of it for bf16 x, 1.0e-7 for fp32 x; the H200's bound is in the GPU test below); 70
+    tokens (two 64-token programs), 12 experts (a masked column tile), H 320 (a masked k step)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70, 320, generator=g).to(dtype)
     w = torch.randn(12, 320, generator=g) / math.sqrt(320)
@@ -320,6 +319,33 @@ def test_scales_loaded_ahead_give_the_same_bits(target):
     )
 
 
+def gemms_over_layout(inputs, gemm_weights, fmt, config, layout, top_k, pair_weights, shared=(None, None), tail=None):
+    """GEMM1 (bf16 x) and GEMM2 (the MXFP8 activation, weighted) over one align layout ``(pairs, blocks, rows)``."""
+    x, a, a_s = inputs
+    v1, s1, v2, s2 = gemm_weights
+    pairs, blocks, layout_m = layout
+    g1 = gemm_kernels.mxfp8_gemm(
+        x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, top_k, None, shared[0], layout_m, tail
+    )
+    g2 = gemm_kernels.mxfp8_gemm(
+        a,
+        a_s.view(torch.uint8),
+        v2,
+        s2,
+        fmt,
+        config,
+        torch.float32,
+        pairs,
+        blocks,
+        1,
+        pair_weights,
+        shared[1],
+        layout_m,
+        tail,
+    )
+    return g1, g2
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_row_tile_narrower_than_the_layout_blocks(target):
     """A grouped GEMM over a layout aligned to 4x its row tile (each block as 4 tiles, the pad-only ones exiting)
@@ -334,24 +360,11 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
         outs = []
         for tile in (4 * BLOCK_M, BLOCK_M):
             config = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=tile, SWAP_AB=True)
-            g1 = gemm_kernels.mxfp8_gemm(
-                x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP, layout_m=4 * BLOCK_M
+            outs.append(
+                gemms_over_layout(
+                    (x, a, a_s), (v1, s1, v2, s2), fmt, config, (pairs, blocks, 4 * BLOCK_M), K_TOP, w.reshape(-1)
+                )
             )
-            g2 = gemm_kernels.mxfp8_gemm(
-                a,
-                a_s.view(torch.uint8),
-                v2,
-                s2,
-                fmt,
-                config,
-                torch.float32,
-                pairs,
-                blocks,
-                1,
-                w.reshape(-1),
-                layout_m=4 * BLOCK_M,
-            )
-            outs.append((g1, g2))
         with pytest.raises(ValueError, match="layout_m"):
             gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP, layout_m=24)
     assert all(torch.equal(wide, narrow) for wide, narrow in zip(*outs))
@@ -413,26 +426,19 @@ def test_paired_tiles_give_the_bits_of_block_wide_tiles(target):
         for tile in (BLOCK_M, 2 * BLOCK_M):
             config = dataclasses.replace(schedule(T * 3, 2 * I, H, E, True), BLOCK_M=tile, SWAP_AB=True)
             tail = dataclasses.replace(config, BLOCK_M=BLOCK_M)
-            g1 = gemm_kernels.mxfp8_gemm(
-                x, None, v1, s1, fmt, config, torch.bfloat16, pairs, blocks, K_TOP + 1, None, shared, BLOCK_M, tail
+            outs.append(
+                gemms_over_layout(
+                    (x, a, a_s),
+                    (v1, s1, v2, s2),
+                    fmt,
+                    config,
+                    (pairs, blocks, BLOCK_M),
+                    K_TOP + 1,
+                    flat_w,
+                    (shared, (sh2[0], sh2_s[0])),
+                    tail,
+                )
             )
-            g2 = gemm_kernels.mxfp8_gemm(
-                a,
-                a_s.view(torch.uint8),
-                v2,
-                s2,
-                fmt,
-                config,
-                torch.float32,
-                pairs,
-                blocks,
-                1,
-                flat_w,
-                (sh2[0], sh2_s[0]),
-                BLOCK_M,
-                tail,
-            )
-            outs.append((g1, g2))
         assert gemm_kernels.pair_tiles(blocks, E + 1)[1].ge(0).sum() == 3  # experts 0, 2 and the shared one
         with pytest.raises(ValueError, match="tail_config"):
             gemm_kernels.mxfp8_gemm(

@@ -97,14 +97,13 @@ def moe_route(
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr,  # [T, H] bf16 (SPLIT3) or fp32
+    x_ptr,  # [T, H] bf16
     w_ptr,  # [E, H] fp32
     out_ptr,  # [T, E] fp32
     tokens,
     num_experts,
     h_units,  # H / 16
     one,  # 1.0, a run-time value (see the leading piece's dot)
-    SPLIT3: tl.constexpr,  # the weight as three bf16 pieces, each in a bf16 dot with the bf16 x
     PIECE_DTYPE: tl.constexpr,  # the pieces' dot dtype: bf16 (GPU), fp32 holding them (the interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -136,24 +135,21 @@ def _router_logits_kernel(
         k_ok = ks < H
         x = tl.load(x_ptr + x_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if SPLIT3:
-            xt = tl.trans(x.to(PIECE_DTYPE))  # [BLOCK_K, BLOCK_M]
-            # any rounding of the cuts (the interpreter truncates) leaves an exact remainder for the next piece
-            hi = w.to(tl.bfloat16).to(tl.float32)
-            rest = w - hi
-            mid = rest.to(tl.bfloat16).to(tl.float32)
-            lo = (rest - mid).to(tl.bfloat16).to(tl.float32)
-            acc = acc + tl.dot(hi.to(PIECE_DTYPE), xt) * unit
-            small = tl.dot(mid.to(PIECE_DTYPE), xt, small)
-            small = tl.dot(lo.to(PIECE_DTYPE), xt, small)
-        else:
-            acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        xt = tl.trans(x.to(PIECE_DTYPE))  # [BLOCK_K, BLOCK_M]
+        # any rounding of the cuts (the interpreter truncates) leaves an exact remainder for the next piece
+        hi = w.to(tl.bfloat16).to(tl.float32)
+        rest = w - hi
+        mid = rest.to(tl.bfloat16).to(tl.float32)
+        lo = (rest - mid).to(tl.bfloat16).to(tl.float32)
+        acc = acc + tl.dot(hi.to(PIECE_DTYPE), xt) * unit
+        small = tl.dot(mid.to(PIECE_DTYPE), xt, small)
+        small = tl.dot(lo.to(PIECE_DTYPE), xt, small)
     out = rows.to(tl.int64)[:, None] * num_experts + cols[None, :]
     tl.store(out_ptr + out, tl.trans(acc + small), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterConfig, interpreting: bool) -> torch.Tensor:
-    """x [T, H] (bf16 for the split dots, else fp32), weight [E, H] fp32, both contiguous -> logits [T, E] fp32."""
+    """x [T, H] bf16, weight [E, H] fp32, both contiguous -> logits [T, E] fp32."""
     T, H = x.shape
     E = weight.shape[0]
     out = empty_row_major((T, E), torch.float32, x.device)
@@ -167,7 +163,6 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterConfig, i
         E,
         H // 16,
         1.0,
-        SPLIT3=x.dtype == torch.bfloat16,
         PIECE_DTYPE=tl.float32 if interpreting else tl.bfloat16,
         BLOCK_M=config.BLOCK_M,
         BLOCK_N=config.BLOCK_N,

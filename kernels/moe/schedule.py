@@ -162,7 +162,7 @@ def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
 
 # Rows per block of the align layout at most: GEMM2's prefill tile. GEMM1's 256-row tile spans two blocks of an
 # expert ("paired tiles") and an expert's odd last block runs on the 128-row tile: at 8192 tokens x top-4 the
-# 256-row layout held 235-239 blocks for 168 blocks' worth of pairs (bench routes, 3 seeds), pairs of 128-row
+# 256-row layout held 235-239 blocks for 160 blocks' worth of pairs (bench routes, 3 seeds), pairs of 128-row
 # blocks 151-154 + 81-88 tails (CPU arithmetic, bench/NOTES.md session 29)
 LAYOUT_MAX_M = 128
 

@@ -127,7 +127,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     interpreting = platform.interpreting()
     config = router_schedule(size_hint(x.shape[0]), weight.shape[0], weight.shape[1], interpreting)
     on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreting)
-    if config is None or x.dtype not in (torch.bfloat16, torch.float32) or not on_kernel_device:
+    if config is None or x.dtype != torch.bfloat16 or not on_kernel_device:
         return torch.nn.functional.linear(x.float(), weight)
     with eager_launches():
         return route_kernels.router_logits(x.contiguous(), weight.contiguous(), config, interpreting)
