@@ -19,13 +19,17 @@ from bench.refs import (
     sample_tokens,
     sparse_attn_torch,
 )
+from mm3_compile.ops import decode_workspace
 
 MIN_POOL_BYTES = 1 << 30  # physical pages scattered over >= 1 GiB: rotated sets do not share L2 lines
 
 
-def _op_decode(q, cache, topk_idx, block_table, seq_lens, k_scale, v_scale, sm_scale: float, kv_cache_dtype: str):
-    return torch.ops.mm3.sparse_attn_decode(
-        q, cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
+def _op_decode(
+    q, cache, topk_idx, block_table, seq_lens, workspace, k_scale, v_scale, sm_scale: float, kv_cache_dtype: str
+):
+    # the attention layer's decode op: its counters live in a workspace, so a compiled call zeroes none
+    return torch.ops.mm3.sparse_attn_decode_with_workspace(
+        q, cache, topk_idx, block_table, seq_lens, workspace, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
 
 
@@ -114,6 +118,10 @@ class Decode(_Family):
     name = "decode"
     op = staticmethod(_op_decode)
 
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self.workspace = decode_workspace(ctx.device)  # one per process, like a layer's buffer
+
     def cases(self):
         return bench_inputs.decode_cases(not self.ctx.cuda, self.ctx.quick)
 
@@ -125,6 +133,7 @@ class Decode(_Family):
                 s["topk_idx"],
                 s["block_table"],
                 inp.seq_lens,
+                self.workspace,
                 inp.k_scale,
                 inp.v_scale,
                 inp.sm_scale,

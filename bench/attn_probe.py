@@ -3,7 +3,8 @@
 For decode B1 / B32 at seq 32768, TP1 (Hq 64, Hkv 4) and TP8 (Hq 8, Hkv 1), bf16 and FP8 KV: the
 op's output on rotated set 0 against the float64 reference on sampled tokens, then CUDA-graph replay
 time (>= 32 calls per graph over input sets rotated past the L2) with programmatic dependent launch
-on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager.
+on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager; at B1 the
+op compiled as well, on fresh counters and on a workspace.
 Prefill TP1 1x8192 bf16: mean |out - fp64 reference| on 16 sampled tokens and ``do_bench`` time.
 GB/s are against a same-run 2 GiB device-to-device copy (read + write).  Prints one table last and
 writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
@@ -39,28 +40,37 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
 
 
-def decode_call(inp, s):
+def decode_call(inp, s, op=None):
+    """One decode call on rotated set ``s``: the plain op, or ``op`` (a compiled one) with the same arguments."""
+    args = (s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, inp.k_scale, inp.v_scale)
+    return (op or plain_decode)(*args, inp.sm_scale, inp.case.kv_cache_dtype)
+
+
+def plain_decode(q, cache, topk_idx, block_table, seq_lens, k_scale, v_scale, sm_scale, kv_cache_dtype):
     return torch.ops.mm3.sparse_attn_decode(
-        s["q"],
-        inp.cache,
-        s["topk_idx"],
-        s["block_table"],
-        inp.seq_lens,
-        inp.sm_scale,
-        inp.case.kv_cache_dtype,
-        inp.k_scale,
-        inp.v_scale,
+        q, cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
     )
 
 
-def graph_time_us(inp) -> tuple[float, bool]:
+def workspace_decode(workspace):
+    def call(q, cache, topk_idx, block_table, seq_lens, k_scale, v_scale, sm_scale, kv_cache_dtype):
+        return torch.ops.mm3.sparse_attn_decode_with_workspace(
+            q, cache, topk_idx, block_table, seq_lens, workspace, sm_scale, kv_cache_dtype, k_scale, v_scale
+        )
+
+    return call
+
+
+def graph_time_us(inp, op=None) -> tuple[float, bool]:
     """Per-call time of graph replays (median of windows), and whether the graph's output equals eager's."""
     sets = inp.sets
     eager = decode_call(inp, sets[(CALLS_PER_GRAPH - 1) % len(sets)])
+    for s in sets[:2]:  # warm-up (and compile) outside the capture
+        decode_call(inp, s, op)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [decode_call(inp, sets[i % len(sets)]) for i in range(CALLS_PER_GRAPH)]
+        outs = [decode_call(inp, sets[i % len(sets)], op) for i in range(CALLS_PER_GRAPH)]
     graph.replay()
     torch.cuda.synchronize()
     same = torch.equal(outs[-1], eager)
@@ -78,9 +88,19 @@ def graph_time_us(inp) -> tuple[float, bool]:
 
 
 def decode_rows(quick: bool, copy: float) -> list[dict]:
+    """Eager op rows with PDL on and off; at B1 also the op compiled (Inductor launches without PDL) on fresh
+    counters (``sparse_attn_decode``: a memset per call) and on a workspace (``..._with_workspace``)."""
+    import mm3_compile.ops
+
     rows = []
     shapes = [(1, 32768)] if quick else [(1, 32768), (32, 32768)]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    compiled = {
+        "compiled, fresh counters": torch.compile(plain_decode, fullgraph=True),
+        "compiled, workspace": torch.compile(
+            workspace_decode(mm3_compile.ops.decode_workspace("cuda")), fullgraph=True
+        ),
+    }
     for B, seq in shapes:
         for kv in ("bf16", "fp8"):
             for tp, Hq, Hkv in (("TP1", 64, 4), ("TP8", 8, 1)):
@@ -88,17 +108,20 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                 inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
                 tokens = sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
                 ref = naive_attention_on_sample(inp, inp.sets[0], tokens)
-                for pdl in ("1", "0"):
-                    os.environ["MM3_PDL"] = pdl
-                    out = decode_call(inp, inp.sets[0])
+                variants = [(pdl, None) for pdl in ("1", "0")]
+                variants += [(name, op) for name, op in compiled.items()] if B == 1 else []
+                for label, op in variants:
+                    if op is None:
+                        os.environ["MM3_PDL"] = label
+                    out = decode_call(inp, inp.sets[0], op)
                     got = out[tokens.to(out.device)].float().cpu()
                     ok, max_err = compare(got, ref)
-                    us, same = graph_time_us(inp)
+                    us, same = graph_time_us(inp, op)
                     gbps = (inp.kv_bytes + inp.io_bytes) / (us * 1e-6) / 1e9
                     rows.append(
                         {
                             "row": f"decode {tp} B{B} {kv}",
-                            "pdl": pdl,
+                            "pdl": label,
                             "ok": ok and same,
                             "max_err": max_err,
                             "mean_err": float((got - ref).abs().mean()),
@@ -106,9 +129,9 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                             "pct": 100 * gbps / copy,
                         }
                     )
+                    os.environ.pop("MM3_PDL", None)
                 del inp
                 torch.cuda.empty_cache()
-    os.environ.pop("MM3_PDL", None)
     return rows
 
 
@@ -217,7 +240,7 @@ def main() -> None:
             f"copy ceiling {copy:.0f} GB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
             f"{triton.__version__}; {time.time() - begin:.0f} s"
         ),
-        "| row | PDL | correct | max err | mean err | us | % copy (decode) / TFLOP/s (prefill) |",
+        "| row | PDL / variant | correct | max err | mean err | us | % copy (decode) / TFLOP/s (prefill) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

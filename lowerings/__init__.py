@@ -54,6 +54,7 @@ def install() -> None:
         ops.indexer.index_topk,
         ops.sparse_attn.sparse_attn_prefill,
         ops.sparse_attn.sparse_attn_decode,
+        ops.sparse_attn.sparse_attn_decode_with_workspace,
         ops.moe.router_logits,
         ops.moe.moe_route,
         ops.moe.moe_align,

@@ -25,7 +25,7 @@ os.environ.setdefault("MM3_VALIDATE", "0")  # junk index values reach the kernel
 
 import torch
 
-import mm3_compile  # noqa: F401
+import mm3_compile.ops
 from mm3_compile import platform
 from mm3_compile.contract import PAGE_SIZE
 
@@ -216,6 +216,10 @@ def _():
         torch.ops.mm3.sparse_attn_decode(q, cache, topk, table, seq, 128**-0.5, spec)
         q, cache, topk, table, _, seq = _attn_args([0, 5000, 129], [2, 2, 2], Hkv=2, G=4, D=64, T=T, spec=spec)
         torch.ops.mm3.sparse_attn_decode(q, cache, topk, table, seq, 64**-0.5, spec)
+        workspace = mm3_compile.ops.decode_workspace(DEV)
+        for _ in range(2):  # the counters in a caller's workspace: read back zero by the next call
+            torch.ops.mm3.sparse_attn_decode_with_workspace(q, cache, topk, table, seq, workspace, 64**-0.5, spec)
+        assert not workspace.any(), "sparse_attn_decode_with_workspace left counters set"
 
 
 @call("sparse_attn_decode: a 256-request batch (one split: the grid fills the GPU)")

@@ -4,6 +4,7 @@ import dataclasses
 
 import torch
 
+import mm3_compile.ops
 from mm3_compile import platform
 
 PAGE = 128
@@ -21,6 +22,7 @@ class EveryOp(torch.nn.Module):
         storage = platform.resolve_kv_cache_dtype(kv_cache_dtype, device, torch.bfloat16)
         cache_dtype = torch.uint8 if platform.is_fp8(storage) else storage  # FP8 caches are bytes
         self.register_buffer("kv_cache", torch.zeros(num_blocks, Hkv, PAGE, 2 * D, dtype=cache_dtype, device=device))
+        self.register_buffer("decode_workspace", mm3_compile.ops.decode_workspace(device), persistent=False)
         self.register_buffer(
             "index_cache", torch.zeros(num_blocks, PAGE, index_dim, dtype=torch.bfloat16, device=device)
         )
@@ -49,8 +51,8 @@ class EveryOp(torch.nn.Module):
         topk_idx = torch.ops.mm3.index_topk(
             index_q, self.index_cache, block_table, cu_seqlens_q, seq_lens, self.topk, 0, 1
         )
-        out = torch.ops.mm3.sparse_attn_decode(
-            q, self.kv_cache, topk_idx, block_table, seq_lens, self.sm_scale, self.kv_cache_dtype
+        out = torch.ops.mm3.sparse_attn_decode_with_workspace(
+            q, self.kv_cache, topk_idx, block_table, seq_lens, self.decode_workspace, self.sm_scale, self.kv_cache_dtype
         )
         return self._mlp(out, gate_up)
 

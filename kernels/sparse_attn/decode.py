@@ -18,7 +18,9 @@ on the default stream, is still running on another stream.  Everything else gets
 any eager call, grids larger than the buffer, bodies traced for a graph (so a compiled step zeroes
 its own counters, ~1 us), and every CPU call: the interpreter runs a call's programs on the calling
 thread, so calls from several Python threads interleave and one call's merge would fire on
-another's arrivals.
+another's arrivals.  A caller that owns a zeroed buffer passes it as ``counters`` (the op
+``mm3::sparse_attn_decode_with_workspace``): no memset and no sharing rule, also in a compiled graph, whose
+launch then depends on nothing but its inputs.
 
 The merge's ordering argument is NVIDIA's (a CTA barrier, then one GPU-scope acq_rel atomic).
 AMD's gfx94x release covers only the issuing wavefront's stores, so on ROCm decode never splits.
@@ -45,8 +47,9 @@ PROGRAMS_PER_SM = 2
 # Under the interpreter programs run one at a time: split only the tiniest batches (still enough to
 # exercise the merge).
 INTERPRETER_TARGET_PROGRAMS = 8
-# Reused arrival counters: splitting happens only below the target program count, so a few
-# thousand (tile, KV head) counters cover every shape-derived plan.
+# Reused arrival counters (the shared buffer, and the least a caller's workspace holds): a shape-derived plan
+# splits only when the grid's (tile, KV head) count is at most half the target program count (2 per SM),
+# so 4096 counters cover every NVIDIA device with up to 4096 SMs.
 ARRIVAL_COUNTERS = 4096
 _shared_counters: dict[tuple[str, int | None], torch.Tensor] = {}
 _shared_counters_lock = threading.Lock()
@@ -110,6 +113,7 @@ def sparse_attn_decode(
     scale_mode: int,
     num_splits: int | None = None,  # override of the shape-derived plan (tests, tuning)
     block_q: int = 1,  # tokens per program; > 1 lets a request's speculative tokens share K/V loads
+    counters: torch.Tensor | None = None,  # [>= ARRIVAL_COUNTERS] int32 zeros the caller owns, left zero
 ) -> torch.Tensor:
     total_q, Hq, D = q.shape
     Hkv = kv_cache.shape[1]
@@ -127,7 +131,15 @@ def sparse_attn_decode(
     if not (isinstance(num_splits, int) and num_splits == 1):  # a symbolic count may still be 1 at run time
         o_partial = torch.empty((num_splits, total_q, Hq, D), dtype=q.dtype, device=q.device)
         lse = torch.empty((num_splits, total_q, Hq), dtype=torch.float32, device=q.device)
-        arrivals = _arrival_counters(triton.cdiv(total_q, block_q) * Hkv, q)  # one per (tile, KV head)
+        count = triton.cdiv(total_q, block_q) * Hkv  # one per (tile, KV head)
+        if counters is None:
+            arrivals = _arrival_counters(count, q)
+        elif isinstance(count, int) and count > counters.shape[0]:  # only an override of the plan gets here
+            raise ValueError(
+                f"counters: {count} (tile, KV head) counters needed, the workspace has {counters.shape[0]}"
+            )
+        else:
+            arrivals = counters
         split_buffers = (o_partial, lse, arrivals)
     launch_sparse_attn(
         q,

@@ -23,7 +23,7 @@ from mm3_compile.models.config import MiniMaxM3Config
 from mm3_compile.models.mxfp8 import MXFP8Weight
 from mm3_compile.models.primitives import GemmaRMSNorm, norm_rope
 from mm3_compile.models.tp import HeadShard, TPInfo
-from mm3_compile.ops import values_checked
+from mm3_compile.ops import decode_workspace, values_checked
 
 
 @dataclasses.dataclass
@@ -63,6 +63,8 @@ class M3Attention(nn.Module):
         if sparse:
             self.index_q_norm = GemmaRMSNorm(Didx, eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(Didx, eps, dtype, device)
+        # the decode merge's arrival counters (zero between calls): a compiled step then zeroes none of its own
+        self.register_buffer("decode_workspace", decode_workspace(device), persistent=False)
 
     def index_k_scale(self, fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
         """fp32 [1]: the scalar FP8 scale of this layer's index-K, ``sqrt(Didx) * max|1 + w| / FP8_MAX``.
@@ -140,8 +142,15 @@ class M3Attention(nn.Module):
             topk_idx = torch.zeros((hkv, T, 1), dtype=torch.int32, device=x.device) + blocks  # [Hkv, T, max_blocks]
 
         if decode:
-            out = torch.ops.mm3.sparse_attn_decode(
-                q, kv_cache, topk_idx, meta.block_table, meta.seq_lens, cfg.sm_scale, meta.kv_cache_dtype
+            out = torch.ops.mm3.sparse_attn_decode_with_workspace(
+                q,
+                kv_cache,
+                topk_idx,
+                meta.block_table,
+                meta.seq_lens,
+                self.decode_workspace,
+                cfg.sm_scale,
+                meta.kv_cache_dtype,
             )
         else:
             out = torch.ops.mm3.sparse_attn_prefill(

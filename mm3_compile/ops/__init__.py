@@ -9,9 +9,15 @@ from mm3_compile.ops.indexer import index_topk
 from mm3_compile.ops.kv_cache import kv_cache_write
 from mm3_compile.ops.moe import moe_align, moe_experts, moe_route, mxfp8_grouped_gemm, mxfp8_linear, router_logits
 from mm3_compile.ops.quant import mxfp8_quantize, swiglu_oai_mxfp8_quant
-from mm3_compile.ops.sparse_attn import sparse_attn_decode, sparse_attn_prefill
+from mm3_compile.ops.sparse_attn import (
+    decode_workspace,
+    sparse_attn_decode,
+    sparse_attn_decode_with_workspace,
+    sparse_attn_prefill,
+)
 
 __all__ = [
+    "decode_workspace",
     "index_topk",
     "kv_cache_write",
     "moe_align",
@@ -22,6 +28,7 @@ __all__ = [
     "mxfp8_quantize",
     "router_logits",
     "sparse_attn_decode",
+    "sparse_attn_decode_with_workspace",
     "sparse_attn_prefill",
     "swiglu_oai_mxfp8_quant",
     "values_checked",

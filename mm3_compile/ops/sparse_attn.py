@@ -1,5 +1,9 @@
 """``mm3::sparse_attn_prefill`` and ``mm3::sparse_attn_decode``: block-sparse GQA attention over the paged cache.
 
+``mm3::sparse_attn_decode_with_workspace`` is the decode op for callers that keep a zeroed int32
+workspace (:func:`decode_workspace`; the attention layer's buffer): its split merge counts arrivals there
+instead of in counters the call zeroes (a memset in every compiled step) or shares (eager calls).
+
 The cache's storage flavour comes from the dtype authority for the cache's device (uint8 bytes are
 viewed as it, a typed FP8 cache of another flavour is refused), asked in the real implementation
 and in the fake alike.  K/V scales apply to FP8 caches only (bf16/fp16 caches are read as is).
@@ -116,6 +120,38 @@ def _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cac
     return checked
 
 
+def decode_workspace(device: torch.device | str) -> torch.Tensor:
+    """The zeroed int32 workspace ``sparse_attn_decode_with_workspace`` takes (16 KiB); every call leaves it zero.
+
+    Args:
+        device: where the decode calls run.
+
+    Returns:
+        ``[ARRIVAL_COUNTERS]`` (4096) int32 zeros.
+
+    Examples:
+        >>> self.register_buffer("decode_workspace", decode_workspace(device), persistent=False)  # doctest: +SKIP
+    """
+    return torch.zeros((decode_kernels.ARRIVAL_COUNTERS,), dtype=torch.int32, device=device)
+
+
+def _check_workspace(workspace, q) -> None:
+    check_tensor("workspace", workspace, dtypes=(torch.int32,), ndim=1)
+    check_same_device("q", q, workspace=workspace)
+    if workspace.shape[0] < decode_kernels.ARRIVAL_COUNTERS:
+        raise ValueError(
+            f"workspace: expected at least {decode_kernels.ARRIVAL_COUNTERS} int32 counters (decode_workspace), "
+            f"got {workspace.shape[0]}"
+        )
+    check_index_vector("workspace", workspace)
+    if values_checked(workspace) and workspace.any():
+        i = int(workspace.nonzero()[0])
+        raise ValueError(
+            f"workspace: expected zeros (every decode call leaves its workspace zero), got {int(workspace[i])} at "
+            f"index {i}: a call was interrupted, or the buffer is shared with a call running on another stream"
+        )
+
+
 @torch.library.custom_op("mm3::sparse_attn_prefill", mutates_args=())
 def sparse_attn_prefill(
     q: torch.Tensor,
@@ -178,6 +214,19 @@ def _(
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+def _decode(q, kv_cache, topk_idx, block_table, seq_lens, workspace, sm_scale, kv_cache_dtype, k_scale, v_scale):
+    view, fmt, scale_mode = _check_decode(
+        q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
+    )
+    if workspace is not None:
+        _check_workspace(workspace, q)
+    require_kernel_device("q", q)
+    with eager_launches():
+        return decode_kernels.sparse_attn_decode(
+            q, view, fmt, topk_idx, block_table, seq_lens, sm_scale, k_scale, v_scale, scale_mode, counters=workspace
+        )
+
+
 @torch.library.custom_op("mm3::sparse_attn_decode", mutates_args=())
 def sparse_attn_decode(
     q: torch.Tensor,
@@ -204,17 +253,54 @@ def sparse_attn_decode(
     Examples:
         >>> out = torch.ops.mm3.sparse_attn_decode(q, kv_cache, topk, table, seq_lens, 128**-0.5)  # q [B, Hq, D]
     """
-    view, fmt, scale_mode = _check_decode(
-        q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale
-    )
-    require_kernel_device("q", q)
-    with eager_launches():
-        return decode_kernels.sparse_attn_decode(
-            q, view, fmt, topk_idx, block_table, seq_lens, sm_scale, k_scale, v_scale, scale_mode
-        )
+    return _decode(q, kv_cache, topk_idx, block_table, seq_lens, None, sm_scale, kv_cache_dtype, k_scale, v_scale)
 
 
 @sparse_attn_decode.register_fake
 def _(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None):
     _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+# A separate op, not an optional argument of sparse_attn_decode: Inductor (torch 2.13) fails on an optional
+# mutated argument passed as None (bench/NOTES.md, session 29).
+@torch.library.custom_op("mm3::sparse_attn_decode_with_workspace", mutates_args=("workspace",))
+def sparse_attn_decode_with_workspace(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_idx: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    workspace: torch.Tensor,
+    sm_scale: float,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sparse_attn_decode`` whose split merge counts arrivals in ``workspace`` (zero on entry, zero on return).
+
+    The outputs are bit-identical to ``sparse_attn_decode``'s.  Calls that may run at the same time (other
+    streams, other threads) need workspaces of their own.
+
+    Args:
+        q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale: as for
+            ``sparse_attn_decode``.
+        workspace: ``[>= 4096]`` int32 zeros on q's device (:func:`decode_workspace`), e.g. a module buffer.
+
+    Returns:
+        ``[num_reqs * q_per_req, Hq, D]`` in q's dtype.
+
+    Examples:
+        >>> ws = mm3_compile.ops.decode_workspace(q.device)
+        >>> out = torch.ops.mm3.sparse_attn_decode_with_workspace(q, kv_cache, topk, table, seq_lens, ws, 128**-0.5)
+    """
+    return _decode(q, kv_cache, topk_idx, block_table, seq_lens, workspace, sm_scale, kv_cache_dtype, k_scale, v_scale)
+
+
+@sparse_attn_decode_with_workspace.register_fake
+def _(
+    q, kv_cache, topk_idx, block_table, seq_lens, workspace, sm_scale, kv_cache_dtype="auto", k_scale=None, v_scale=None
+):
+    _check_decode(q, kv_cache, topk_idx, block_table, seq_lens, sm_scale, kv_cache_dtype, k_scale, v_scale)
+    _check_workspace(workspace, q)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

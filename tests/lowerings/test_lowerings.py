@@ -13,6 +13,7 @@ import torch._dynamo.testing
 import mm3_compile
 from mm3_compile import platform
 from mm3_compile.kernels.mxfp8.naive import mxfp8_quantize_ref, swiglu_oai_ref
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
 from mm3_compile.lowerings.decompose import kernel_names_in
 from tests.every_op import EveryOp, make_batch
 
@@ -66,6 +67,25 @@ def test_every_op_compiles_once_and_matches_eager(kv_cache_dtype, device):
             batch = make_batch(module, [130] * batch_size, [1] * batch_size, seed=seed, device=device)
             assert_outputs_equal(decode(*batch.args()), module.decode(*batch.args()))
     assert (prefill_count.frame_count, decode_count.frame_count) == frames
+
+
+def test_decode_workspace_is_used_in_place(device):
+    """The decode workspace is a mutated module buffer: Inductor re-inplaces the op on it, so a compiled step
+    neither copies it nor zeroes counters of its own (no memset before the attention launch)."""
+    torch._dynamo.reset()
+    module = EveryOp(num_blocks=16, device=device)
+    batch = make_batch(module, [130, 200], [1, 1], seed=2, device=device)
+    compiled = torch.compile(module.decode, fullgraph=True)
+    with torch._inductor.utils.fresh_cache():
+        out, (code,) = torch._inductor.utils.run_and_get_code(compiled, *batch.args())
+    counters = decode_kernels.ARRIVAL_COUNTERS
+    assert not re.search(rf"empty_strided_\w+\(\({counters}, \)", code), "the workspace is copied"
+    if device.type == "cpu":  # the op is called with the buffer itself (a graph input)
+        (call,) = re.findall(r"sparse_attn_decode_with_workspace\.default\(([^)]*)\)", code)
+        workspace_arg = call.split(", ")[5]
+        assert re.search(rf"{workspace_arg} = rand_strided\(\({counters}, \)", code), code
+    assert_outputs_equal(out, module.decode(*batch.args()))
+    assert not module.decode_workspace.any()
 
 
 def unfused_moe_activation(gate_up, limit=7.0):

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mm3_compile import platform
+from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+from mm3_compile.ops import decode_workspace
 from tests.sparse_attn.helpers import (
     FP8_ROUND_TRIP_TOLERANCE,
     OP_SCHEDULES,
@@ -187,6 +189,44 @@ def test_opcheck(spec, device):
     torch.library.opcheck(torch.ops.mm3.sparse_attn_prefill.default, case.prefill_args())
     case = build(device, [(150, 1), (0, 1)], spec=spec, scale="per_token_head", D=64, Hkv=1, G=2, T=2)
     torch.library.opcheck(torch.ops.mm3.sparse_attn_decode.default, case.decode_args())
+    torch.library.opcheck(
+        torch.ops.mm3.sparse_attn_decode_with_workspace.default, with_workspace(case, decode_workspace(device))
+    )
+
+
+def with_workspace(case, workspace):
+    """``decode_args`` of ``case`` for ``sparse_attn_decode_with_workspace`` (the workspace follows seq_lens)."""
+    args = case.decode_args()
+    return args[:5] + (workspace,) + args[5:]
+
+
+@pytest.mark.parametrize("spec, scale", [("auto", "none"), ("fp8", "per_token_head")])
+def test_decode_with_workspace_equals_decode_and_leaves_it_zero(spec, scale, device):
+    """A split call (the merge counts arrivals) through the caller's workspace gives sparse_attn_decode's bits, twice
+    on the same workspace, and leaves it zero for the next call."""
+    case = build(device, [(300, 1), (150, 1)], spec=spec, scale=scale, D=64, Hkv=2, G=2, T=4)
+    assert decode_kernels.split_plan(2, 2, 4, case.q.device)[0] > 1
+    workspace = decode_workspace(device)
+    want = torch.ops.mm3.sparse_attn_decode(*case.decode_args())
+    for _ in range(2):
+        got = torch.ops.mm3.sparse_attn_decode_with_workspace(*with_workspace(case, workspace))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert not workspace.any()
+
+
+def test_decode_workspace_bad_input(device):
+    case = build(device, [(150, 1), (10, 1)], D=64)
+    counters = decode_kernels.ARRIVAL_COUNTERS
+    bad = [
+        (decode_workspace(device).long(), TypeError, "workspace: expected dtype"),
+        (decode_workspace(device)[None], ValueError, "workspace: expected a 1-D tensor"),
+        (decode_workspace(device)[:100], ValueError, f"workspace: expected at least {counters} int32 counters"),
+        (torch.zeros(2 * counters, dtype=torch.int32, device=device)[::2], ValueError, "workspace: expected a contig"),
+        (decode_workspace(device).index_fill_(0, torch.tensor([7], device=device), 3), ValueError, "got 3 at index 7"),
+    ]
+    for workspace, error, match in bad:
+        with pytest.raises(error, match=match):
+            torch.ops.mm3.sparse_attn_decode_with_workspace(*with_workspace(case, workspace))
 
 
 @pytest.mark.parametrize("make, error, match", _bad_inputs())
