@@ -63,7 +63,8 @@ class M3Attention(nn.Module):
         if sparse:
             self.index_q_norm = GemmaRMSNorm(Didx, eps, dtype, device)
             self.index_k_norm = GemmaRMSNorm(Didx, eps, dtype, device)
-        # the decode merge's arrival counters (zero between calls): a compiled step then zeroes none of its own
+        # the decode merge's arrival counters (zero between calls): a compiled step then zeroes none of its own.
+        # One decode call per layer at a time: decode steps of this module overlapped on two streams would share it.
         self.register_buffer("decode_workspace", decode_workspace(device), persistent=False)
 
     def index_k_scale(self, fp8_dtype: torch.dtype | None = None) -> torch.Tensor:
