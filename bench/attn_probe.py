@@ -4,7 +4,11 @@ For decode B1 / B32 at seq 32768, TP1 (Hq 64, Hkv 4) and TP8 (Hq 8, Hkv 1), bf16
 op's output on rotated set 0 against the float64 reference on sampled tokens, then CUDA-graph replay
 time (>= 32 calls per graph over input sets rotated past the L2) with programmatic dependent launch
 on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager; at B1 the
-op compiled as well, on fresh counters and on a workspace.
+op compiled on a workspace with PDL on and off (Inductor launches it as a programmatic dependent launch on
+sm_90), and two floors of the same grid (one program per listed block and KV head): a launch that stores one
+value per program, and one that also reads the program's page ([128, 2D] K/V, located from a page list
+resolved on the host: one dependent load) and stores its sum. Op minus floor is what the kernel's list walk,
+attention and split merge cost beyond the bytes.
 Prefill TP1 1x8192 bf16: mean |out - fp64 reference| on 16 sampled tokens and ``do_bench`` time.
 GB/s are against a same-run 2 GiB device-to-device copy (read + write).  Prints one table last and
 writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
@@ -23,6 +27,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # 
 
 import torch
 import triton
+import triton.language as tl
 
 from bench import inputs as bench_inputs
 from bench.refs import compare, naive_attention_on_sample, sample_tokens
@@ -61,19 +66,88 @@ def workspace_decode(workspace):
     return call
 
 
-def graph_time_us(inp, op=None) -> tuple[float, bool]:
-    """Per-call time of graph replays (median of windows), and whether the graph's output equals eager's."""
-    sets = inp.sets
-    eager = decode_call(inp, sets[(CALLS_PER_GRAPH - 1) % len(sets)])
+@triton.jit
+def _decode_floor_kernel(
+    pages_ptr,
+    cache_ptr,
+    desc,
+    out_ptr,
+    stride_page,
+    stride_head,
+    T,
+    Hkv,
+    ROW: tl.constexpr,
+    KEYS: tl.constexpr,  # keys per program: 128 / parts of a block
+    MODE: tl.constexpr,  # 0 no read, 1 pointer loads, 2 a TMA tensor-descriptor load
+    PDL: tl.constexpr,
+):
+    """Program (slot part, KV head): its listed page's [KEYS, ROW] part of the K/V tile summed; one value stored."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    PARTS: tl.constexpr = 128 // KEYS
+    pid = tl.program_id(0)
+    slot = pid // PARTS
+    part = pid % PARTS
+    head = tl.program_id(1)
+    value = pid.to(tl.float32)
+    if MODE > 0:
+        page = tl.load(pages_ptr + head * T + slot).to(tl.int64)
+        if MODE == 1:
+            offs = (part * KEYS + tl.arange(0, KEYS))[:, None] * ROW + tl.arange(0, ROW)[None, :]
+            tile = tl.load(cache_ptr + page * stride_page + head * stride_head + offs)
+        else:
+            tile = desc.load([((page * Hkv + head) * 128 + part * KEYS).to(tl.int32), 0])
+        value += tl.sum(tl.sum(tile.to(tl.float32), axis=1), axis=0)
+    tl.store(out_ptr + head * T * PARTS + pid, value)
+
+
+def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
+    """One-token decode floors over ``inp``'s rotated sets: one program per (listed block part, KV head)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    Hkv, _, T = inp.sets[0]["topk_idx"].shape
+    for s in inp.sets:
+        if "floor_pages" not in s:  # [Hkv, T] physical pages of token 0's list
+            s["floor_pages"] = s["block_table"][0].long()[s["topk_idx"][:, 0].clamp(min=0).long()].to(torch.int32)
+    out = torch.empty((Hkv, T * parts), dtype=torch.float32, device=inp.cache.device)
+    cache = inp.cache
+    keys = 128 // parts
+    rows = cache.view(-1, cache.shape[-1])  # [pool * Hkv * 128, 2D]
+    desc = TensorDescriptor.from_tensor(rows, [keys, cache.shape[-1]]) if mode == 2 else rows
+
+    def call(s):
+        _decode_floor_kernel[(T * parts, Hkv)](
+            s["floor_pages"],
+            cache,
+            desc,
+            out,
+            cache.stride(0),
+            cache.stride(1),
+            T,
+            Hkv,
+            ROW=cache.shape[-1],
+            KEYS=keys,
+            MODE=mode,
+            PDL=pdl,
+            num_warps=8,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+        return out
+
+    return call
+
+
+def replay_us(call, sets) -> tuple[float, list]:
+    """Per-call time of graph replays of ``call`` over rotated ``sets`` (median of windows), and the outputs."""
     for s in sets[:2]:  # warm-up (and compile) outside the capture
-        decode_call(inp, s, op)
+        call(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [decode_call(inp, sets[i % len(sets)], op) for i in range(CALLS_PER_GRAPH)]
+        outs = [call(sets[i % len(sets)]) for i in range(CALLS_PER_GRAPH)]
     graph.replay()
     torch.cuda.synchronize()
-    same = torch.equal(outs[-1], eager)
     times = []
     for _ in range(WINDOWS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,24 +157,26 @@ def graph_time_us(inp, op=None) -> tuple[float, bool]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH))
-    del graph, outs
-    return sorted(times)[len(times) // 2], same
+    del graph
+    return sorted(times)[len(times) // 2], outs
+
+
+def graph_time_us(inp, op=None) -> tuple[float, bool]:
+    """Per-call time of graph replays, and whether the graph's output equals eager's."""
+    eager = decode_call(inp, inp.sets[(CALLS_PER_GRAPH - 1) % len(inp.sets)])
+    us, outs = replay_us(lambda s: decode_call(inp, s, op), inp.sets)
+    return us, torch.equal(outs[-1], eager)
 
 
 def decode_rows(quick: bool, copy: float) -> list[dict]:
-    """Eager op rows with PDL on and off; at B1 also the op compiled (Inductor launches without PDL) on fresh
-    counters (``sparse_attn_decode``: a memset per call) and on a workspace (``..._with_workspace``)."""
+    """Eager op rows with PDL on and off; at B1 also the op compiled on a workspace (traced with PDL on and
+    off: a fresh Dynamo cache per setting) and the two floors (module docstring)."""
     import mm3_compile.ops
 
     rows = []
     shapes = [(1, 32768)] if quick else [(1, 32768), (32, 32768)]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    compiled = {
-        "compiled, fresh counters": torch.compile(plain_decode, fullgraph=True),
-        "compiled, workspace": torch.compile(
-            workspace_decode(mm3_compile.ops.decode_workspace("cuda")), fullgraph=True
-        ),
-    }
+    workspace = mm3_compile.ops.decode_workspace("cuda")
     for B, seq in shapes:
         for kv in ("bf16", "fp8"):
             for tp, Hq, Hkv in (("TP1", 64, 4), ("TP8", 8, 1)):
@@ -108,16 +184,19 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                 inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
                 tokens = sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
                 ref = naive_attention_on_sample(inp, inp.sets[0], tokens)
-                variants = [(pdl, None) for pdl in ("1", "0")]
-                variants += [(name, op) for name, op in compiled.items()] if B == 1 else []
-                for label, op in variants:
-                    if op is None:
-                        os.environ["MM3_PDL"] = label
+                moved = inp.kv_bytes + inp.io_bytes
+                variants = [(f"eager, PDL {pdl}", pdl, False) for pdl in ("1", "0")]
+                variants += [(f"compiled workspace, PDL {pdl}", pdl, True) for pdl in ("1", "0")] if B == 1 else []
+                for label, pdl, compiled in variants:
+                    os.environ["MM3_PDL"] = pdl
+                    op = None
+                    if compiled:  # traced now, under this PDL setting
+                        torch._dynamo.reset()
+                        op = torch.compile(workspace_decode(workspace), fullgraph=True)
                     out = decode_call(inp, inp.sets[0], op)
                     got = out[tokens.to(out.device)].float().cpu()
                     ok, max_err = compare(got, ref)
                     us, same = graph_time_us(inp, op)
-                    gbps = (inp.kv_bytes + inp.io_bytes) / (us * 1e-6) / 1e9
                     rows.append(
                         {
                             "row": f"decode {tp} B{B} {kv}",
@@ -126,10 +205,37 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                             "max_err": max_err,
                             "mean_err": float((got - ref).abs().mean()),
                             "us": us,
-                            "pct": 100 * gbps / copy,
+                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
                         }
                     )
                     os.environ.pop("MM3_PDL", None)
+                for label, mode, pdl, parts in (
+                    ("floor: launch + store, PDL", 0, True, 1),
+                    ("floor: page read, PDL", 1, True, 1),
+                    ("floor: page read, no PDL", 1, False, 1),
+                    ("floor: page read in 2 parts, PDL", 1, True, 2),
+                    ("floor: page read in 4 parts, PDL", 1, True, 4),
+                    ("floor: page read by TMA, PDL", 2, True, 1),
+                    ("floor: page read by TMA in 2 parts, PDL", 2, True, 2),
+                ):
+                    if B != 1:
+                        break
+                    try:
+                        us, _ = replay_us(floor_call(inp, mode, pdl, parts), inp.sets)
+                    except Exception as e:  # a floor variant the Triton build cannot compile: say why
+                        print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    rows.append(
+                        {
+                            "row": f"decode {tp} B{B} {kv}",
+                            "pdl": label,
+                            "ok": "-",  # a floor computes no attention
+                            "max_err": float("nan"),
+                            "mean_err": float("nan"),
+                            "us": us,
+                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
+                        }
+                    )
                 del inp
                 torch.cuda.empty_cache()
     return rows

@@ -55,13 +55,17 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(kernel, grid, *args, maxnreg: int | None = None, **kwargs) -> None:
+def launch(kernel, grid, *args, maxnreg: int | None = None, pdl: bool = False, **kwargs) -> None:
     """Launch ``kernel``; inside a traced op body this records a Triton kernel node instead.
 
-    ``maxnreg`` caps the registers per thread (PTX ``.maxnreg``) of a kernel that declares the constexpr
-    ``MAXNREG``, which carries the cap (0: none) into the kernel's arguments. An eager launch passes it to
-    Triton as the compile option; a traced one cannot (Inductor's user-kernel path forwards no ``maxnreg``),
-    so ``lowerings/kernel_options.py`` reads the constexpr when Inductor compiles the kernel.
+    Two launch options travel as constexprs the kernel declares, because Inductor's user-kernel path
+    forwards neither (torch 2.11-2.13 ``SPECIAL_CONFIG_NAMES``): an eager launch passes the Triton option
+    too, a traced one only the constexpr, which ``lowerings/kernel_options.py`` turns back into the compile
+    option when Inductor compiles the kernel.
+
+    Args:
+        maxnreg: a register cap per thread (PTX ``.maxnreg``); constexpr ``MAXNREG`` (0: none).
+        pdl: a programmatic dependent launch (``use_pdl``); constexpr ``PDL``, Triton's ``launch_pdl``.
     """
     if "MAXNREG" in kernel.arg_names:
         kwargs["MAXNREG"] = maxnreg or 0
@@ -69,6 +73,12 @@ def launch(kernel, grid, *args, maxnreg: int | None = None, **kwargs) -> None:
             kwargs["maxnreg"] = maxnreg
     elif maxnreg is not None:
         raise ValueError(f"maxnreg: kernel {kernel.__name__} declares no MAXNREG constexpr to carry the cap")
+    if "PDL" in kernel.arg_names:
+        kwargs["PDL"] = bool(pdl)
+        if pdl and not launches_traced():
+            kwargs["launch_pdl"] = True
+    elif pdl:
+        raise ValueError(f"pdl: kernel {kernel.__name__} declares no PDL constexpr to wait on its predecessor")
     if platform.interpreting():
         with _interpreter_lock, _language_patched_once():
             torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
@@ -141,11 +151,9 @@ def require_kernel_device(name: str, t: torch.Tensor) -> None:
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch for eager launches on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for
-    A/B timing).  Not for launches traced into an Inductor graph: its user-defined-kernel launcher takes
-    no ``launch_pdl`` option (torch 2.11, ``SPECIAL_CONFIG_NAMES``), the kernel would receive it as an
-    argument."""
-    if platform.interpreting() or device.type != "cuda" or launches_traced():
+    """Programmatic dependent launch on NVIDIA sm_90+ (``MM3_PDL=0`` turns it off, for A/B timing), eager
+    and traced into Inductor graphs alike (``launch`` says how the option reaches each)."""
+    if platform.interpreting() or device.type != "cuda":
         return False
     if os.environ.get("MM3_PDL", "1") == "0" or platform.hardware_vendor(device) != "nvidia":
         return False

@@ -2,7 +2,7 @@
 
 ``install()`` (run by ``import mm3_compile``) registers, for every ``mm3`` op, the functional
 decomposition that puts its Triton kernels into Inductor's generated code on GPUs, and restores the
-compile options Inductor drops for them (``kernel_options``: register caps).
+compile options Inductor drops for them (``kernel_options``: register caps, programmatic dependent launch).
 ``compile_options()`` adds the post-grad SwiGLU+MXFP8 fusion pass; ``dynamic_shapes()`` is the
 symbolic-shape configuration under which serving batches never recompile.
 """

@@ -7,6 +7,13 @@ no ``maxnreg`` into the kernel's config (torch 2.11-2.13 ``SPECIAL_CONFIG_NAMES`
 it back into the ``maxnreg`` compile option. The GEMM2 prefill tile needs it: 8 warps at ptxas's 143
 registers run one program per SM, capped at 128 two (H200: 7.18 -> 5.06 ms, bench/NOTES.md session 25).
 
+The constexpr ``PDL`` likewise becomes ``launch_pdl`` (a programmatic dependent launch, sm_90+): the compiled
+kernel's metadata carries it, so Inductor launches it through Triton's launcher (its static launcher refuses
+launch attributes). Its ``gdc_wait`` is non-pure inline assembly, which Inductor's TTIR analysis of the
+tensors a user kernel writes cannot see through: it would take every input as written (cudagraph trees then
+skip a decode step's graph for "mutated inputs"). The grid-dependency instructions touch no memory, so our
+kernels are analysed as compiled with ``PDL`` off (:func:`_analysed_without_pdl`).
+
 Inductor also compiles kernels in worker processes (``compile_threads > 1``), whose job is a pickled reference
 to ``async_compile._load_triton_kernel_from_source``. That name is pointed at :func:`load_triton_kernel`, so a
 worker unpickling the job imports ``mm3_compile`` (whose import installs this wrapper in the worker too) before
@@ -16,6 +23,7 @@ it loads and compiles the kernel.
 import functools
 import logging
 
+import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
 import torch._inductor.async_compile as async_compile
 from torch._inductor import codecache
 from torch._inductor.runtime import triton_heuristics
@@ -23,19 +31,42 @@ from torch._inductor.runtime import triton_heuristics
 log = logging.getLogger("mm3_compile")
 
 CAP_CONSTEXPR = "MAXNREG"  # the constexpr a kernel declares to carry its register cap (0: none)
+PDL_CONSTEXPR = "PDL"  # the constexpr a kernel declares to be launched as a programmatic dependent launch
 
 
 def _with_register_cap(create_options):
     @functools.wraps(create_options)
     def create(self, cfg, compile_meta):
         options = create_options(self, cfg, compile_meta)
-        cap = compile_meta.get("constants", {}).get(CAP_CONSTEXPR)
-        if cap and self.device_props.type == "cuda":
-            options["maxnreg"] = int(cap)
+        constants = compile_meta.get("constants", {})
+        if self.device_props.type == "cuda":
+            if constants.get(CAP_CONSTEXPR):
+                options["maxnreg"] = int(constants[CAP_CONSTEXPR])
+            if constants.get(PDL_CONSTEXPR):
+                options["launch_pdl"] = True
         return options
 
     create.mm3_register_cap = True
     return create
+
+
+def _ours(kernel) -> bool:
+    fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
+    return getattr(fn, "__module__", "").startswith("mm3_compile.")
+
+
+def _analysed_without_pdl(generate_ttir):
+    """``generate_ttir`` for Inductor's analysis of what a user kernel reads and writes: an mm3 kernel
+    launched with ``PDL`` is analysed as its ``PDL=False`` build, whose memory accesses are the same."""
+
+    @functools.wraps(generate_ttir)
+    def generate(kernel, kwargs, *args, **kw):
+        if kwargs.get(PDL_CONSTEXPR) and _ours(kernel):
+            kwargs = {**kwargs, PDL_CONSTEXPR: False}
+        return generate_ttir(kernel, kwargs, *args, **kw)
+
+    generate.mm3_without_pdl = True
+    return generate
 
 
 def load_triton_kernel(*args, **kwargs):
@@ -54,4 +85,6 @@ def install() -> None:
         return
     if not getattr(autotuner._create_compile_options, "mm3_register_cap", False):
         autotuner._create_compile_options = _with_register_cap(autotuner._create_compile_options)
+    if not getattr(triton_kernel_wrap.generate_ttir, "mm3_without_pdl", False):
+        triton_kernel_wrap.generate_ttir = _analysed_without_pdl(triton_kernel_wrap.generate_ttir)
     async_compile._load_triton_kernel_from_source = load_triton_kernel

@@ -646,10 +646,10 @@ def index_topk(
     else:
         k_arg, k_mode = _read_mode(index_k_cache, fp32_dot)
     block_t = schedule.block_t
-    # both kernels as programmatic dependent launches (eager sm_90+): each grid starts while the previous one
-    # finishes, the top-k grid reading its metadata meanwhile
+    # both kernels as programmatic dependent launches (sm_90+, eager and in Inductor graphs): each grid starts
+    # while the previous one finishes, the top-k grid reading its metadata meanwhile (written before the score
+    # grid started, whose programs trigger only after their own wait)
     pdl = use_pdl(device)
-    pdl_option = {"launch_pdl": True} if pdl else {}
     # tile = token for BLOCK_T 1; otherwise tiles never straddle requests, and
     # sum_r cdiv(q_len_r, BLOCK_T) <= cdiv(total_q, BLOCK_T) + num_reqs bounds the grid by shapes alone
     # (surplus programs exit at once)
@@ -688,10 +688,9 @@ def index_topk(
         SPLIT_NAN_MAX=interpreting(),
         Q_FP16=schedule.fp16_q and k_format is not None and index_q.dtype in (torch.bfloat16, torch.float16),
         **fp8.constexprs(),
-        PDL=pdl,
+        pdl=pdl,
         num_warps=schedule.score_warps,
         num_stages=schedule.score_stages,
-        **pdl_option,
     )
     out = torch.empty((num_heads, total_q, topk), dtype=torch.int32, device=device)
     launch(
@@ -715,8 +714,7 @@ def index_topk(
         BLOCK_N=schedule.topk_block_n,
         SHORT_N=min(schedule.topk_short_n, schedule.topk_block_n),
         PRELOAD=schedule.topk_rows == 1,
-        PDL=pdl,
+        pdl=pdl,
         num_warps=schedule.topk_warps,
-        **pdl_option,
     )
     return out

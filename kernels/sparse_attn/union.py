@@ -530,7 +530,6 @@ def launch_sparse_attn(
     decode_tile = cu_seqlens_q is None and block_q == 1
     # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
     pdl = cu_seqlens_q is None and use_pdl(q.device)
-    extra = dict(launch_pdl=True) if pdl else {}
     launch(
         sparse_attn_fwd_kernel,
         grid,
@@ -574,11 +573,10 @@ def launch_sparse_attn(
         SPLIT=split_buffers is not None,
         SCALE_MODE=scale_mode,
         FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
-        PDL=pdl,
         MAX_SPLITS=max_splits(num_splits, T) if split_buffers is not None else 1,
         TABLE_ROW=table_row(block_table.shape[1], decode_tile),
         **fp8.constexprs(),
-        **extra,
+        pdl=pdl,
         **schedule.kernel_options(
             q.device,
             block_q * block_h,

@@ -1,4 +1,5 @@
-"""Register caps of our kernels under Inductor: the compile options its user-kernel path drops, restored."""
+"""Register caps and programmatic dependent launches of our kernels under Inductor: the compile options its
+user-kernel path drops, restored."""
 
 import functools
 import pickle
@@ -6,7 +7,9 @@ import types
 
 import pytest
 import torch
+import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
 import triton
+import triton.language as tl
 from torch._inductor import async_compile, codecache
 from torch._inductor.runtime import triton_heuristics
 
@@ -15,6 +18,7 @@ from mm3_compile import lowerings
 from mm3_compile.kernels import _launch
 from mm3_compile.kernels.moe import gemm as gemm_kernels
 from mm3_compile.kernels.moe.schedule import schedule
+from mm3_compile.lowerings import kernel_options
 from tests.python_process import run_python
 
 pytestmark = pytest.mark.skipif(not lowerings.supported(), reason="lowerings are off outside SUPPORTED_TORCH")
@@ -31,6 +35,63 @@ def test_register_cap_constexpr_becomes_the_maxnreg_option():
     assert "maxnreg" not in compile_options({"MAXNREG": 0})  # 0: no cap
     assert "maxnreg" not in compile_options({"BLOCK_M": 128})  # a kernel without the constexpr: untouched
     assert "maxnreg" not in compile_options({"MAXNREG": 128}, device_type="hip")
+
+
+def test_pdl_constexpr_becomes_the_launch_pdl_option():
+    assert compile_options({"PDL": True})["launch_pdl"] is True
+    assert not compile_options({"PDL": False}).get("launch_pdl", False)
+    assert not compile_options({"BLOCK_M": 128}).get("launch_pdl", False)
+    assert "launch_pdl" not in compile_options({"PDL": True}, device_type="hip")
+
+
+def recording_kernel(arg_names):
+    seen = {}
+
+    class Kernel:
+        __name__ = "kernel"
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    kernel = Kernel()
+    kernel.arg_names = arg_names
+    return kernel, seen
+
+
+def test_pdl_travels_as_a_constexpr_into_traced_launches(monkeypatch):
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: kernel)
+    monkeypatch.setattr(_launch.platform, "interpreting", lambda: False)
+    kernel, seen = recording_kernel(["x", "PDL"])
+    _launch.launch(kernel, (1,), pdl=True)
+    assert seen == {"PDL": True, "launch_pdl": True}  # eager: Triton's option and the constexpr
+    seen.clear()
+    with _launch.traced_launches():
+        _launch.launch(kernel, (1,), pdl=True)
+    assert seen == {"PDL": True}  # traced: the constexpr only (wrap_triton has no launch_pdl)
+    seen.clear()
+    _launch.launch(kernel, (1,))
+    assert seen == {"PDL": False}
+    with pytest.raises(ValueError, match="^pdl: kernel kernel declares no PDL"):
+        _launch.launch(recording_kernel(["x"])[0], (1,), pdl=True)
+
+
+def test_access_analysis_sees_pdl_kernels_without_their_grid_dependency_asm(monkeypatch):
+    """Inductor's TTIR analysis of a user kernel's reads and writes cannot see through ``gdc_wait`` (non-pure
+    inline assembly): our kernels are analysed as their ``PDL=False`` build; other kernels are untouched."""
+    from mm3_compile.kernels.sparse_attn.union import sparse_attn_fwd_kernel
+
+    assert triton_kernel_wrap.generate_ttir.mm3_without_pdl
+    seen = []
+    wrapped = kernel_options._analysed_without_pdl(lambda kernel, kwargs, tma: seen.append(kwargs) or "ttir")
+    assert wrapped(sparse_attn_fwd_kernel, {"x": 1, "PDL": True}, {}) == "ttir"
+    assert seen.pop() == {"x": 1, "PDL": False}
+
+    @triton.jit
+    def foreign(x, PDL: tl.constexpr):
+        pass
+
+    wrapped(foreign, {"x": 1, "PDL": True}, {})
+    assert seen.pop() == {"x": 1, "PDL": True}
 
 
 def test_gemm2_prefill_schedule_carries_a_cap_into_the_kernel_arguments(monkeypatch):
@@ -115,3 +176,41 @@ def test_gpu_compiled_gemm2_prefill_runs_capped(compile_threads, device):
     launchers = capped_launchers("_mxfp8_gemm_kernel")
     assert launchers, "no compiled _mxfp8_gemm_kernel with a register cap found"
     assert all(0 < launcher.n_regs <= 128 for launcher in launchers), [launcher.n_regs for launcher in launchers]
+
+
+def compiled_autotuners(prefix: str) -> list:
+    """Inductor's compiled kernels named ``prefix*``, in the modules it has loaded."""
+    cache = codecache.PyCodeCache
+    modules = list(cache.modules) + list(getattr(cache, "modules_no_attr", {}).values())
+    return [
+        value
+        for module in modules
+        for name, value in vars(module).items()
+        if name.startswith(prefix) and isinstance(value, triton_heuristics.CachingAutotuner)
+    ]
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_decode_step_launches_dependently(device):
+    """On sm_90 the compiled decode step's indexer and attention kernels are programmatic dependent launches,
+    like eager ones: the constexpr is on, the compiled binaries carry ``launch_pdl``, and the outputs are
+    eager's bits."""
+    from tests.every_op import EveryOp, make_batch
+
+    if not _launch.use_pdl(device):
+        pytest.skip("programmatic dependent launch needs an NVIDIA sm_90+ device")
+    torch._dynamo.reset()
+    module = EveryOp(num_blocks=64, D=128, device=device)
+    batch = make_batch(module, [300, 700], [1, 1], device=device)
+    compiled = torch.compile(module.decode, fullgraph=True)
+    with torch._inductor.utils.fresh_cache():
+        got = compiled(*batch.args())
+        for prefix in ("sparse_attn_fwd_kernel", "_index_score_kernel", "_index_topk_kernel"):
+            autotuners = compiled_autotuners(prefix)
+            assert autotuners, f"no compiled {prefix}"
+            for autotuner in autotuners:
+                assert autotuner.triton_meta["constants"].get("PDL"), prefix
+                binaries = [result.kernel for result in autotuner.compile_results]  # Triton's, not the static launcher
+                assert binaries and all(binary.metadata.launch_pdl for binary in binaries), prefix
+    for g, e in zip(got, module.decode(*batch.args())):
+        assert torch.equal(g.view(torch.uint8), e.view(torch.uint8))

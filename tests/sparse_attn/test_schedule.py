@@ -156,9 +156,9 @@ def test_decode_never_splits_on_rocm(monkeypatch):
     assert decode_kernels.split_plan(1, 1, 16, torch.device("cuda", 0)) == (1, 16)
 
 
-def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
-    """Programmatic dependent launch: never under the interpreter or on the CPU, never for launches traced
-    into a graph (Inductor's user-kernel launcher has no ``launch_pdl``), off with ``MM3_PDL=0``."""
+def test_pdl_only_for_nvidia_launches(monkeypatch):
+    """Programmatic dependent launch: never under the interpreter or on the CPU, on sm_90+ NVIDIA devices
+    for eager launches and launches traced into a graph alike, off with ``MM3_PDL=0``."""
     from mm3_compile.kernels._launch import traced_launches, use_pdl
 
     assert not use_pdl(torch.device("cpu"))
@@ -168,7 +168,7 @@ def test_pdl_only_for_eager_nvidia_launches(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert use_pdl(cuda)
     with traced_launches():
-        assert not use_pdl(cuda)
+        assert use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "0")
     assert not use_pdl(cuda)
     monkeypatch.setenv("MM3_PDL", "1")
