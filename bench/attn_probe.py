@@ -3,12 +3,14 @@
 For decode B1 / B32 at seq 32768, TP1 (Hq 64, Hkv 4) and TP8 (Hq 8, Hkv 1), bf16 and FP8 KV: the
 op's output on rotated set 0 against the float64 reference on sampled tokens, then CUDA-graph replay
 time (>= 32 calls per graph over input sets rotated past the L2) with programmatic dependent launch
-on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager; at B1 the
-op compiled on a workspace with PDL on and off (Inductor launches it as a programmatic dependent launch on
-sm_90), and two floors of the same grid (one program per listed block and KV head): a launch that stores one
-value per program, and one that also reads the program's page ([128, 2D] K/V, located from a page list
-resolved on the host: one dependent load) and stores its sum. Op minus floor is what the kernel's list walk,
-attention and split merge cost beyond the bytes.
+on (``MM3_PDL=1``, the default) and off (``MM3_PDL=0``), and the graph's output against eager; at B1
+the op compiled on a workspace with PDL on and off (Inductor launches it as a programmatic dependent
+launch on sm_90).
+``--floors`` adds B1 floors of the same grid (one program per listed block, or part of it, and KV
+head): a launch that stores one value per program; one that also reads the program's page (located from
+a page list resolved on the host: one dependent load) by pointer loads or a TMA descriptor and stores its
+sum; and one that stores a [16, D] partial per program and merges them (on the last arrival, or spread
+over the splits). Op minus floor is what the list walk, attention and merge cost beyond the bytes.
 Prefill TP1 1x8192 bf16: mean |out - fp64 reference| on 16 sampled tokens and ``do_bench`` time.
 GB/s are against a same-run 2 GiB device-to-device copy (read + write).  Prints one table last and
 writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
@@ -16,9 +18,11 @@ writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
     python bench/attn_probe.py            # every row
     python bench/attn_probe.py --quick    # B1 rows and prefill only
     python bench/attn_probe.py --quick --prefill-variants  # + the prefill error under other numerics
+    python bench/attn_probe.py --quick --floors  # + the B1 floors
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -138,6 +142,128 @@ def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
     return call
 
 
+@triton.jit
+def _merge_floor_kernel(
+    pages_ptr,
+    cache_ptr,
+    partial_ptr,  # [Hkv, S, 16, D] bf16
+    lse_ptr,  # [Hkv, S, 16] fp32
+    out_ptr,  # [Hkv, 16, D] bf16
+    counters_ptr,  # [2 * Hkv] int32 zeros: arrivals, then departures; left zero
+    stride_page,
+    stride_head,
+    T: tl.constexpr,
+    ROW: tl.constexpr,
+    KEYS: tl.constexpr,
+    MERGE: tl.constexpr,  # 0 partial stores only, 1 the last arrival merges every split, 2 every split merges a slice
+):
+    """The B1 decode floor with the split merge: each program reads its page part, stores a [16, D] partial and
+    its lse, then merges (the op's scheme, or spread over the splits, which wait for each other: one wave only)."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    D: tl.constexpr = ROW // 2
+    PARTS: tl.constexpr = 128 // KEYS
+    S: tl.constexpr = T * PARTS
+    pid = tl.program_id(0)
+    slot = pid // PARTS
+    part = pid % PARTS
+    head = tl.program_id(1)
+    Hkv = tl.num_programs(1)
+    page = tl.load(pages_ptr + head * T + slot).to(tl.int64)
+    offs = (part * KEYS + tl.arange(0, KEYS))[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    tile = tl.load(cache_ptr + page * stride_page + head * stride_head + offs)
+    sums = tl.sum(tl.reshape(tl.sum(tile.to(tl.float32), axis=0), [2, D]), axis=0)  # [D]
+    rows = tl.arange(0, 16)
+    dims = tl.arange(0, D)
+    partial = sums[None, :] * (1.0 + rows[:, None].to(tl.float32))  # [16, D]
+    lse = rows.to(tl.float32) + pid.to(tl.float32)
+    base = (head * S + pid).to(tl.int64) * 16
+    tl.store(lse_ptr + base + rows, lse)
+    tl.store(partial_ptr + (base + rows)[:, None] * D + dims[None, :], partial.to(tl.bfloat16))
+    if MERGE == 0:
+        return
+    tl.debug_barrier()
+    arrivals = counters_ptr + head
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel") + 1
+    if MERGE == 1:
+        if arrived == S:
+            tl.atomic_xchg(arrivals, 0, sem="relaxed")
+            m = tl.full([16], float("-inf"), tl.float32)
+            wsum = tl.zeros([16], tl.float32)
+            acc = tl.zeros([16, D], tl.float32)
+            for c in tl.static_range(S):
+                at = (head * S + c).to(tl.int64) * 16 + rows
+                lc = tl.load(lse_ptr + at, cache_modifier=".cg")
+                oc = tl.load(partial_ptr + at[:, None] * D + dims[None, :], cache_modifier=".cg")
+                new_m = tl.maximum(m, lc)
+                ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+                acc = acc * tl.exp2(m - ref)[:, None] + tl.exp2(lc - ref)[:, None] * oc.to(tl.float32)
+                wsum = wsum * tl.exp2(m - ref) + tl.exp2(lc - ref)
+                m = new_m
+            out = acc / wsum[:, None]
+            tl.store(out_ptr + (head * 16 + rows)[:, None] * D + dims[None, :], out.to(tl.bfloat16))
+    else:
+        while arrived < S:
+            arrived = tl.atomic_add(arrivals, 0, sem="acquire")
+        W: tl.constexpr = D // S  # the columns this split merges
+        cols = pid * W + tl.arange(0, W)
+        m = tl.full([16], float("-inf"), tl.float32)
+        wsum = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, W], tl.float32)
+        for c in tl.static_range(S):
+            at = (head * S + c).to(tl.int64) * 16 + rows
+            lc = tl.load(lse_ptr + at, cache_modifier=".cg")
+            oc = tl.load(partial_ptr + at[:, None] * D + cols[None, :], cache_modifier=".cg")
+            new_m = tl.maximum(m, lc)
+            ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+            acc = acc * tl.exp2(m - ref)[:, None] + tl.exp2(lc - ref)[:, None] * oc.to(tl.float32)
+            wsum = wsum * tl.exp2(m - ref) + tl.exp2(lc - ref)
+            m = new_m
+        out = acc / wsum[:, None]
+        tl.store(out_ptr + (head * 16 + rows)[:, None] * D + cols[None, :], out.to(tl.bfloat16))
+        departures = counters_ptr + Hkv + head
+        if tl.atomic_add(departures, 1, sem="acq_rel") == S - 1:
+            tl.atomic_xchg(arrivals, 0, sem="relaxed")
+            tl.atomic_xchg(departures, 0, sem="relaxed")
+
+
+def merge_floor_call(inp, merge: int, parts: int):
+    """The floor with the split merge (``_merge_floor_kernel``) over ``inp``'s rotated sets."""
+    Hkv, _, T = inp.sets[0]["topk_idx"].shape
+    for s in inp.sets:
+        if "floor_pages" not in s:
+            s["floor_pages"] = s["block_table"][0].long()[s["topk_idx"][:, 0].clamp(min=0).long()].to(torch.int32)
+    cache = inp.cache
+    D = cache.shape[-1] // 2
+    S = T * parts
+    device = cache.device
+    partial = torch.empty((Hkv, S, 16, D), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((Hkv, S, 16), dtype=torch.float32, device=device)
+    out = torch.empty((Hkv, 16, D), dtype=torch.bfloat16, device=device)
+    counters = torch.zeros(2 * Hkv, dtype=torch.int32, device=device)
+
+    def call(s):
+        _merge_floor_kernel[(S, Hkv)](
+            s["floor_pages"],
+            cache,
+            partial,
+            lse,
+            out,
+            counters,
+            cache.stride(0),
+            cache.stride(1),
+            T,
+            ROW=cache.shape[-1],
+            KEYS=128 // parts,
+            MERGE=merge,
+            num_warps=8,
+            launch_pdl=True,
+        )
+        return out
+
+    return call, partial, lse, out, counters
+
+
 def replay_us(call, sets) -> tuple[float, list]:
     """Per-call time of graph replays of ``call`` over rotated ``sets`` (median of windows), and the outputs."""
     for s in sets[:2]:  # warm-up (and compile) outside the capture
@@ -168,7 +294,7 @@ def graph_time_us(inp, op=None) -> tuple[float, bool]:
     return us, torch.equal(outs[-1], eager)
 
 
-def decode_rows(quick: bool, copy: float) -> list[dict]:
+def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
     """Eager op rows with PDL on and off; at B1 also the op compiled on a workspace (traced with PDL on and
     off: a fresh Dynamo cache per setting) and the two floors (module docstring)."""
     import mm3_compile.ops
@@ -218,7 +344,7 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                     ("floor: page read by TMA, PDL", 2, True, 1),
                     ("floor: page read by TMA in 2 parts, PDL", 2, True, 2),
                 ):
-                    if B != 1:
+                    if B != 1 or not floors:
                         break
                     try:
                         us, _ = replay_us(floor_call(inp, mode, pdl, parts), inp.sets)
@@ -230,6 +356,39 @@ def decode_rows(quick: bool, copy: float) -> list[dict]:
                             "row": f"decode {tp} B{B} {kv}",
                             "pdl": label,
                             "ok": "-",  # a floor computes no attention
+                            "max_err": float("nan"),
+                            "mean_err": float("nan"),
+                            "us": us,
+                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
+                        }
+                    )
+                for label, merge, parts in (
+                    ("floor: page read + partial store, PDL", 0, 1),
+                    ("floor: + the last arrival merges, PDL", 1, 1),
+                    ("floor: + every split merges a slice, PDL", 2, 1),
+                    ("floor: 2 parts, the last arrival merges, PDL", 1, 2),
+                    ("floor: 2 parts, every split merges a slice, PDL", 2, 2),
+                    ("floor: 4 parts, the last arrival merges, PDL", 1, 4),
+                    ("floor: 4 parts, every split merges a slice, PDL", 2, 4),
+                ):
+                    if B != 1 or not floors:
+                        break
+                    programs = inp.sets[0]["topk_idx"].shape[2] * parts * Hkv
+                    if merge == 2 and programs > torch.cuda.get_device_properties(0).multi_processor_count:
+                        continue  # splits that wait for each other must all be resident: one wave of one per SM
+                    call, partial, lse, out, counters = merge_floor_call(inp, merge, parts)
+                    us, _ = replay_us(call, inp.sets)
+                    torch.cuda.synchronize()
+                    ok = "-"
+                    if merge:  # the merged output of the last call against a float64 merge of its partials
+                        w = torch.softmax(lse.double() * math.log(2), dim=1)  # [Hkv, S, 16]: weights 2^lse
+                        ref = (w[..., None] * partial.double()).sum(1)
+                        ok = bool(torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-2)) and not counters.any().item()
+                    rows.append(
+                        {
+                            "row": f"decode {tp} B{B} {kv}",
+                            "pdl": label,
+                            "ok": ok,
                             "max_err": float("nan"),
                             "mean_err": float("nan"),
                             "us": us,
@@ -334,12 +493,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--prefill-variants", action="store_true", help="where the prefill error comes from")
+    parser.add_argument("--floors", action="store_true", help="the B1 floor rows (module docstring)")
     args = parser.parse_args()
     import mm3_compile  # noqa: F401  (registers the ops)
 
     begin = time.time()
     copy = copy_gbps()
-    rows = decode_rows(args.quick, copy)
+    rows = decode_rows(args.quick, copy, args.floors)
     rows += prefill_rows(args.prefill_variants)
     lines = [
         (
