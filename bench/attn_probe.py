@@ -143,6 +143,25 @@ def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
 
 
 @triton.jit
+def _merge_floor_columns(partial_ptr, lse_ptr, out_ptr, head, rows, cols, S: tl.constexpr, D: tl.constexpr):
+    """out[head, :, cols] = sum_c 2^lse_c partial_c / sum_c 2^lse_c over the S splits (partials read from L2)."""
+    m = tl.full([16], float("-inf"), tl.float32)
+    wsum = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, cols.shape[0]], tl.float32)
+    for c in tl.static_range(S):
+        at = (head * S + c).to(tl.int64) * 16 + rows
+        lc = tl.load(lse_ptr + at, cache_modifier=".cg")
+        oc = tl.load(partial_ptr + at[:, None] * D + cols[None, :], cache_modifier=".cg")
+        new_m = tl.maximum(m, lc)
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+        acc = acc * tl.exp2(m - ref)[:, None] + tl.exp2(lc - ref)[:, None] * oc.to(tl.float32)
+        wsum = wsum * tl.exp2(m - ref) + tl.exp2(lc - ref)
+        m = new_m
+    out = acc / wsum[:, None]
+    tl.store(out_ptr + (head * 16 + rows)[:, None] * D + cols[None, :], out.to(tl.bfloat16))
+
+
+@triton.jit
 def _merge_floor_kernel(
     pages_ptr,
     cache_ptr,
@@ -188,39 +207,12 @@ def _merge_floor_kernel(
     if MERGE == 1:
         if arrived == S:
             tl.atomic_xchg(arrivals, 0, sem="relaxed")
-            m = tl.full([16], float("-inf"), tl.float32)
-            wsum = tl.zeros([16], tl.float32)
-            acc = tl.zeros([16, D], tl.float32)
-            for c in tl.static_range(S):
-                at = (head * S + c).to(tl.int64) * 16 + rows
-                lc = tl.load(lse_ptr + at, cache_modifier=".cg")
-                oc = tl.load(partial_ptr + at[:, None] * D + dims[None, :], cache_modifier=".cg")
-                new_m = tl.maximum(m, lc)
-                ref = tl.where(new_m == float("-inf"), 0.0, new_m)
-                acc = acc * tl.exp2(m - ref)[:, None] + tl.exp2(lc - ref)[:, None] * oc.to(tl.float32)
-                wsum = wsum * tl.exp2(m - ref) + tl.exp2(lc - ref)
-                m = new_m
-            out = acc / wsum[:, None]
-            tl.store(out_ptr + (head * 16 + rows)[:, None] * D + dims[None, :], out.to(tl.bfloat16))
+            _merge_floor_columns(partial_ptr, lse_ptr, out_ptr, head, rows, dims, S, D)
     else:
         while arrived < S:
             arrived = tl.atomic_add(arrivals, 0, sem="acquire")
         W: tl.constexpr = D // S  # the columns this split merges
-        cols = pid * W + tl.arange(0, W)
-        m = tl.full([16], float("-inf"), tl.float32)
-        wsum = tl.zeros([16], tl.float32)
-        acc = tl.zeros([16, W], tl.float32)
-        for c in tl.static_range(S):
-            at = (head * S + c).to(tl.int64) * 16 + rows
-            lc = tl.load(lse_ptr + at, cache_modifier=".cg")
-            oc = tl.load(partial_ptr + at[:, None] * D + cols[None, :], cache_modifier=".cg")
-            new_m = tl.maximum(m, lc)
-            ref = tl.where(new_m == float("-inf"), 0.0, new_m)
-            acc = acc * tl.exp2(m - ref)[:, None] + tl.exp2(lc - ref)[:, None] * oc.to(tl.float32)
-            wsum = wsum * tl.exp2(m - ref) + tl.exp2(lc - ref)
-            m = new_m
-        out = acc / wsum[:, None]
-        tl.store(out_ptr + (head * 16 + rows)[:, None] * D + cols[None, :], out.to(tl.bfloat16))
+        _merge_floor_columns(partial_ptr, lse_ptr, out_ptr, head, rows, pid * W + tl.arange(0, W), S, D)
         departures = counters_ptr + Hkv + head
         if tl.atomic_add(departures, 1, sem="acq_rel") == S - 1:
             tl.atomic_xchg(arrivals, 0, sem="relaxed")
