@@ -106,14 +106,19 @@ def _decode_floor_kernel(
     tl.store(out_ptr + head * T * PARTS + pid, value)
 
 
+def add_floor_pages(inp) -> None:
+    """``floor_pages`` [Hkv, T] int32 per rotated set: the physical pages of token 0's list."""
+    for s in inp.sets:
+        if "floor_pages" not in s:
+            s["floor_pages"] = s["block_table"][0].long()[s["topk_idx"][:, 0].clamp(min=0).long()].to(torch.int32)
+
+
 def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
     """One-token decode floors over ``inp``'s rotated sets: one program per (listed block part, KV head)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     Hkv, _, T = inp.sets[0]["topk_idx"].shape
-    for s in inp.sets:
-        if "floor_pages" not in s:  # [Hkv, T] physical pages of token 0's list
-            s["floor_pages"] = s["block_table"][0].long()[s["topk_idx"][:, 0].clamp(min=0).long()].to(torch.int32)
+    add_floor_pages(inp)
     out = torch.empty((Hkv, T * parts), dtype=torch.float32, device=inp.cache.device)
     cache = inp.cache
     keys = 128 // parts
@@ -222,9 +227,7 @@ def _merge_floor_kernel(
 def merge_floor_call(inp, merge: int, parts: int):
     """The floor with the split merge (``_merge_floor_kernel``) over ``inp``'s rotated sets."""
     Hkv, _, T = inp.sets[0]["topk_idx"].shape
-    for s in inp.sets:
-        if "floor_pages" not in s:
-            s["floor_pages"] = s["block_table"][0].long()[s["topk_idx"][:, 0].clamp(min=0).long()].to(torch.int32)
+    add_floor_pages(inp)
     cache = inp.cache
     D = cache.shape[-1] // 2
     S = T * parts
