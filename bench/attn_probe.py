@@ -19,6 +19,7 @@ writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
     python bench/attn_probe.py --quick    # B1 rows and prefill only
     python bench/attn_probe.py --quick --prefill-variants  # + the prefill error under other numerics
     python bench/attn_probe.py --quick --floors  # + the B1 floors
+    python bench/attn_probe.py --stream-floors  # the op over split counts, B32 page-stream floors
 """
 
 import argparse
@@ -141,6 +142,82 @@ def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
             PDL=pdl,
             num_warps=8,
             **({"launch_pdl": True} if pdl else {}),
+        )
+        return out
+
+    return call
+
+
+@triton.jit
+def _stream_floor_kernel(
+    pages_ptr,  # [Hkv, programs * PAGES] int32: each program's listed pages, in order
+    cache_ptr,
+    desc,
+    out_ptr,  # [Hkv, programs] fp32
+    stride_page,
+    stride_head,
+    ROW: tl.constexpr,
+    PAGES: tl.constexpr,  # pages per program
+    MODE: tl.constexpr,  # 1 pointer loads, 2 TMA tensor-descriptor loads
+    STAGES: tl.constexpr,
+):
+    """Program (token split, KV head): its PAGES listed [128, ROW] pages read in a pipelined loop (their ids
+    loaded first, one dependent load, as the op's list walk), each folded into a [16, ROW] sum by one tensor-core dot (what
+    makes Triton pipeline a pointer load, as the op's K/V loads), one value stored."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    Hkv = tl.num_programs(1)
+    acc = tl.zeros([16, ROW], tl.float32)
+    slots = tl.arange(0, PAGES)
+    pages = tl.load(pages_ptr + (head * tl.num_programs(0) + pid) * PAGES + slots)  # resolved first, as the op
+    for i in tl.range(PAGES, num_stages=STAGES):
+        page = tl.max(tl.where(slots == i, pages, 0)).to(tl.int64)
+        if MODE == 1:
+            offs = tl.arange(0, 128)[:, None] * ROW + tl.arange(0, ROW)[None, :]
+            tile = tl.load(cache_ptr + page * stride_page + head * stride_head + offs)
+        else:
+            tile = desc.load([((page * Hkv + head) * 128).to(tl.int32), 0])
+        ones = tl.full([16, 128], 1.0, tl.bfloat16)
+        if tile.dtype == tl.uint8:  # an FP8 cache's bytes: e4m3 tensor-core operands (the sum's value is moot)
+            tile = tile.to(tl.float8e4nv, bitcast=True)
+            ones = ones.to(tl.float8e4nv)
+        acc = tl.dot(ones, tile, acc)
+    tl.store(out_ptr + head * tl.num_programs(0) + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def stream_floor_call(inp, mode: int, splits: int, stages: int):
+    """Multi-token decode floor over ``inp``'s rotated sets: (token, split) x KV head programs, each reading
+    its share of the token's listed pages (``_stream_floor_kernel``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    Hkv, tokens, T = inp.sets[0]["topk_idx"].shape
+    for s in inp.sets:
+        if "stream_pages" not in s:  # one token per request: token t's table row is row t
+            table = s["block_table"].long()
+            assert table.shape[0] == tokens, "a decode case of one token per request"
+            ids = s["topk_idx"].clamp(min=0).long()  # [Hkv, tokens, T]
+            s["stream_pages"] = torch.gather(table.expand(Hkv, -1, -1), 2, ids).to(torch.int32).contiguous()
+    cache = inp.cache
+    rows = cache.view(-1, cache.shape[-1])
+    desc = TensorDescriptor.from_tensor(rows, [128, cache.shape[-1]]) if mode == 2 else rows
+    out = torch.empty((Hkv, tokens * splits), dtype=torch.float32, device=cache.device)
+
+    def call(s):
+        _stream_floor_kernel[(tokens * splits, Hkv)](
+            s["stream_pages"],
+            cache,
+            desc,
+            out,
+            cache.stride(0),
+            cache.stride(1),
+            ROW=cache.shape[-1],
+            PAGES=T // splits,
+            MODE=mode,
+            STAGES=stages,
+            num_warps=8,
+            launch_pdl=True,
         )
         return out
 
@@ -403,6 +480,52 @@ def _upstream_softmax(logits, dim):
     return p.to(torch.bfloat16).double() / p.sum(dim, keepdim=True).double()
 
 
+def stream_rows(copy: float) -> list[dict]:
+    """B1 / B32 s32768 (TP1 / TP8, bf16 / FP8): the eager op with PDL on its split plan and on other split
+    counts (``decode.split_plan`` replaced), then at B32 the page-stream floors (``_stream_floor_kernel``:
+    pointer loads or TMA, 1-8 programs per token, 2-4 stages)."""
+    from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+
+    rows = []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    plan = decode_kernels.split_plan
+    for B in (1, 32):
+        for kv in ("bf16", "fp8"):
+            for tp, Hq, Hkv in (("TP1", 64, 4), ("TP8", 8, 1)):
+                case = bench_inputs.AttnCase("decode", tp, Hq, Hkv, 128, (1,) * B, (32768,) * B, kv)
+                inp = bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, MIN_POOL_BYTES)
+                moved = inp.kv_bytes + inp.io_bytes
+                tokens = sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
+                ref = naive_attention_on_sample(inp, inp.sets[0], tokens)
+                label = f"decode {tp} B{B} {kv}"
+                for splits in (None, 1, 2, 4, 8, 16):
+                    if splits is not None:
+                        decode_kernels.split_plan = lambda *a, n=splits, **k: (n, triton.cdiv(16, n))
+                    try:
+                        got = decode_call(inp, inp.sets[0])[tokens.to(inp.cache.device)].float().cpu()
+                        ok, max_err = compare(got, ref)
+                        us, same = graph_time_us(inp)
+                    finally:
+                        decode_kernels.split_plan = plan
+                    name = "eager, PDL 1" + ("" if splits is None else f", {splits} splits")
+                    rows.append(dict(row=label, pdl=name, ok=ok and same, max_err=max_err, us=us))
+                    rows[-1]["mean_err"] = float((got - ref).abs().mean())
+                stream = [(m, p, st) for m in (1, 2) for p in (1, 2, 4, 8) for st in (2, 3, 4)] if B > 1 else []
+                for mode, splits, stages in stream:
+                    name = f"floor: {'TMA' if mode == 2 else 'pointer'} stream, {splits} per token, {stages} stages"
+                    try:
+                        us, _ = replay_us(stream_floor_call(inp, mode, splits, stages), inp.sets)
+                    except Exception as e:  # a setting past the shared memory: say why, go on
+                        print(f"{label} {name}: {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    rows.append(dict(row=label, pdl=name, ok="-", max_err=float("nan"), mean_err=float("nan"), us=us))
+                for r in rows:
+                    r.setdefault("pct", 100 * moved / (r["us"] * 1e-6) / 1e9 / copy)
+                del inp
+                torch.cuda.empty_cache()
+    return rows
+
+
 def prefill_rows(variants: bool) -> list[dict]:
     """TP1 1x8192 bf16: the op, and with ``variants`` the error of the same sample under an emulation of
     upstream numerics, fp32 KV-centric partials instead of fp16 ones, and the union-walk schedule."""
@@ -489,13 +612,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--prefill-variants", action="store_true", help="where the prefill error comes from")
     parser.add_argument("--floors", action="store_true", help="the B1 floor rows (module docstring)")
+    parser.add_argument(
+        "--stream-floors", action="store_true", help="only the op over split counts and the B32 page-stream floors"
+    )
     args = parser.parse_args()
     import mm3_compile  # noqa: F401  (registers the ops)
 
     begin = time.time()
     copy = copy_gbps()
-    rows = decode_rows(args.quick, copy, args.floors)
-    rows += prefill_rows(args.prefill_variants)
+    if args.stream_floors:
+        rows = stream_rows(copy)
+    else:
+        rows = decode_rows(args.quick, copy, args.floors)
+        rows += prefill_rows(args.prefill_variants)
     lines = [
         (
             f"copy ceiling {copy:.0f} GB/s; {torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
