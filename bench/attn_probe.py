@@ -500,7 +500,7 @@ def stream_rows(copy: float) -> list[dict]:
                 label = f"decode {tp} B{B} {kv}"
                 for splits in (None, 1, 2, 4, 8, 16):
                     if splits is not None:
-                        decode_kernels.split_plan = lambda *a, n=splits, **k: (n, triton.cdiv(16, n))
+                        decode_kernels.split_plan = lambda *a, n=splits, **k: (n, triton.cdiv(a[2], n))  # a[2]: T
                     try:
                         got = decode_call(inp, inp.sets[0])[tokens.to(inp.cache.device)].float().cpu()
                         ok, max_err = compare(got, ref)
