@@ -366,6 +366,34 @@ def graph_time_us(inp, op=None) -> tuple[float, bool]:
     return us, torch.equal(outs[-1], eager)
 
 
+def op_row(inp, tokens, ref, label: str, name: str, op=None) -> dict:
+    """The op (or compiled ``op``) on ``inp``: its output on rotated set 0 against ``ref`` on ``tokens``, its
+    graph-replay time, and whether the graph's output equals eager's."""
+    out = decode_call(inp, inp.sets[0], op)
+    got = out[tokens.to(out.device)].float().cpu()
+    ok, max_err = compare(got, ref)
+    us, same = graph_time_us(inp, op)
+    return {
+        "row": label,
+        "pdl": name,
+        "ok": ok and same,
+        "max_err": max_err,
+        "mean_err": float((got - ref).abs().mean()),
+        "us": us,
+    }
+
+
+def add_pct(rows: list[dict], moved: int, copy: float) -> None:
+    """``pct`` of the rows without one: ``moved`` bytes at their time against the copy ceiling (GB/s)."""
+    for r in rows:
+        r.setdefault("pct", 100 * moved / (r["us"] * 1e-6) / 1e9 / copy)
+
+
+def floor_row(label: str, name: str, us: float, ok="-") -> dict:
+    """A floor's row: it computes no attention, so no error."""
+    return {"row": label, "pdl": name, "ok": ok, "max_err": float("nan"), "mean_err": float("nan"), "us": us}
+
+
 def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
     """Eager op rows with PDL on and off; at B1 also the op compiled on a workspace (traced with PDL on and
     off: a fresh Dynamo cache per setting) and the two floors (module docstring)."""
@@ -391,21 +419,7 @@ def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
                     if compiled:  # traced now, under this PDL setting
                         torch._dynamo.reset()
                         op = torch.compile(workspace_decode(workspace), fullgraph=True)
-                    out = decode_call(inp, inp.sets[0], op)
-                    got = out[tokens.to(out.device)].float().cpu()
-                    ok, max_err = compare(got, ref)
-                    us, same = graph_time_us(inp, op)
-                    rows.append(
-                        {
-                            "row": f"decode {tp} B{B} {kv}",
-                            "pdl": label,
-                            "ok": ok and same,
-                            "max_err": max_err,
-                            "mean_err": float((got - ref).abs().mean()),
-                            "us": us,
-                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
-                        }
-                    )
+                    rows.append(op_row(inp, tokens, ref, f"decode {tp} B{B} {kv}", label, op))
                     os.environ.pop("MM3_PDL", None)
                 for label, mode, pdl, parts in (
                     ("floor: launch + store, PDL", 0, True, 1),
@@ -423,17 +437,7 @@ def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
                     except Exception as e:  # a floor variant the Triton build cannot compile: say why
                         print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
                         continue
-                    rows.append(
-                        {
-                            "row": f"decode {tp} B{B} {kv}",
-                            "pdl": label,
-                            "ok": "-",  # a floor computes no attention
-                            "max_err": float("nan"),
-                            "mean_err": float("nan"),
-                            "us": us,
-                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
-                        }
-                    )
+                    rows.append(floor_row(f"decode {tp} B{B} {kv}", label, us))
                 for label, merge, parts in (
                     ("floor: page read + partial store, PDL", 0, 1),
                     ("floor: + the last arrival merges, PDL", 1, 1),
@@ -456,17 +460,8 @@ def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
                         w = torch.softmax(lse.double() * math.log(2), dim=1)  # [Hkv, S, 16]: weights 2^lse
                         ref = (w[..., None] * partial.double()).sum(1)
                         ok = bool(torch.allclose(out.double(), ref, rtol=1e-2, atol=1e-2)) and not counters.any().item()
-                    rows.append(
-                        {
-                            "row": f"decode {tp} B{B} {kv}",
-                            "pdl": label,
-                            "ok": ok,
-                            "max_err": float("nan"),
-                            "mean_err": float("nan"),
-                            "us": us,
-                            "pct": 100 * moved / (us * 1e-6) / 1e9 / copy,
-                        }
-                    )
+                    rows.append(floor_row(f"decode {tp} B{B} {kv}", label, us, ok))
+                add_pct(rows, moved, copy)
                 del inp
                 torch.cuda.empty_cache()
     return rows
@@ -501,15 +496,11 @@ def stream_rows(copy: float) -> list[dict]:
                 for splits in (None, 1, 2, 4, 8, 16):
                     if splits is not None:
                         decode_kernels.split_plan = lambda *a, n=splits, **k: (n, triton.cdiv(a[2], n))  # a[2]: T
+                    name = "eager, PDL 1" + ("" if splits is None else f", {splits} splits")
                     try:
-                        got = decode_call(inp, inp.sets[0])[tokens.to(inp.cache.device)].float().cpu()
-                        ok, max_err = compare(got, ref)
-                        us, same = graph_time_us(inp)
+                        rows.append(op_row(inp, tokens, ref, label, name))
                     finally:
                         decode_kernels.split_plan = plan
-                    name = "eager, PDL 1" + ("" if splits is None else f", {splits} splits")
-                    rows.append(dict(row=label, pdl=name, ok=ok and same, max_err=max_err, us=us))
-                    rows[-1]["mean_err"] = float((got - ref).abs().mean())
                 stream = [(m, p, st) for m in (1, 2) for p in (1, 2, 4, 8) for st in (2, 3, 4)] if B > 1 else []
                 for mode, splits, stages in stream:
                     name = f"floor: {'TMA' if mode == 2 else 'pointer'} stream, {splits} per token, {stages} stages"
@@ -518,9 +509,8 @@ def stream_rows(copy: float) -> list[dict]:
                     except Exception as e:  # a setting past the shared memory: say why, go on
                         print(f"{label} {name}: {type(e).__name__}: {str(e)[:200]}")
                         continue
-                    rows.append(dict(row=label, pdl=name, ok="-", max_err=float("nan"), mean_err=float("nan"), us=us))
-                for r in rows:
-                    r.setdefault("pct", 100 * moved / (r["us"] * 1e-6) / 1e9 / copy)
+                    rows.append(floor_row(label, name, us))
+                add_pct(rows, moved, copy)
                 del inp
                 torch.cuda.empty_cache()
     return rows
