@@ -19,7 +19,7 @@ writes it to ``$OUT/attn_probe.md`` when ``OUT`` is set.
     python bench/attn_probe.py --quick    # B1 rows and prefill only
     python bench/attn_probe.py --quick --prefill-variants  # + the prefill error under other numerics
     python bench/attn_probe.py --quick --floors  # + the B1 floors
-    python bench/attn_probe.py --stream-floors  # the op over split counts, B32 page-stream floors
+    python bench/attn_probe.py --stream-floors  # the op over split counts and stages, B32 page-stream floors
 """
 
 import argparse
@@ -476,14 +476,17 @@ def _upstream_softmax(logits, dim):
 
 
 def stream_rows(copy: float) -> list[dict]:
-    """B1 / B32 s32768 (TP1 / TP8, bf16 / FP8): the eager op with PDL on its split plan and on other split
-    counts (``decode.split_plan`` replaced), then at B32 the page-stream floors (``_stream_floor_kernel``:
-    pointer loads or TMA, 1-8 programs per token, 2-4 stages)."""
+    """B1 / B32 s32768 (TP1 / TP8, bf16 / FP8): the eager op with PDL on its split plan, on other split
+    counts (``decode.split_plan`` replaced) and in 2-4 pipeline stages (``schedule.kernel_options`` replaced),
+    then at B32 the page-stream floors (``_stream_floor_kernel``: pointer loads or TMA, 1-8 programs per token,
+    2-4 stages)."""
     from mm3_compile.kernels.sparse_attn import decode as decode_kernels
+    from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
 
     rows = []
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     plan = decode_kernels.split_plan
+    options = attn_schedule.kernel_options
     for B in (1, 32):
         for kv in ("bf16", "fp8"):
             for tp, Hq, Hkv in (("TP1", 64, 4), ("TP8", 8, 1)):
@@ -501,6 +504,15 @@ def stream_rows(copy: float) -> list[dict]:
                         rows.append(op_row(inp, tokens, ref, label, name))
                     finally:
                         decode_kernels.split_plan = plan
+                # the plan's split count with 1-3 pages in flight behind the one computed
+                for stages in (2, 3, 4):
+                    attn_schedule.kernel_options = lambda *a, st=stages, **k: {**options(*a, **k), "num_stages": st}
+                    try:
+                        rows.append(op_row(inp, tokens, ref, label, f"eager, PDL 1, {stages} stages"))
+                    except Exception as e:  # a setting past the shared memory: say why, go on
+                        print(f"{label} {stages} stages: {type(e).__name__}: {str(e)[:200]}")
+                    finally:
+                        attn_schedule.kernel_options = options
                 stream = [(m, p, st) for m in (1, 2) for p in (1, 2, 4, 8) for st in (2, 3, 4)] if B > 1 else []
                 for mode, splits, stages in stream:
                     name = f"floor: {'TMA' if mode == 2 else 'pointer'} stream, {splits} per token, {stages} stages"
@@ -603,7 +615,9 @@ def main() -> None:
     parser.add_argument("--prefill-variants", action="store_true", help="where the prefill error comes from")
     parser.add_argument("--floors", action="store_true", help="the B1 floor rows (module docstring)")
     parser.add_argument(
-        "--stream-floors", action="store_true", help="only the op over split counts and the B32 page-stream floors"
+        "--stream-floors",
+        action="store_true",
+        help="only the op over split counts and stages, and the B32 page-stream floors",
     )
     args = parser.parse_args()
     import mm3_compile  # noqa: F401  (registers the ops)
