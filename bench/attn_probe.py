@@ -81,9 +81,10 @@ def _decode_floor_kernel(
     stride_head,
     T,
     Hkv,
+    cache_rows,  # pool pages x Hkv x 128: the rows of the cache as a [cache_rows, ROW] matrix
     ROW: tl.constexpr,
     KEYS: tl.constexpr,  # keys per program: 128 / parts of a block
-    MODE: tl.constexpr,  # 0 no read, 1 pointer loads, 2 a TMA tensor-descriptor load
+    MODE: tl.constexpr,  # 0 no read, 1 pointer loads, 2 a TMA load by a host descriptor, 3 by one made here
     PDL: tl.constexpr,
 ):
     """Program (slot part, KV head): its listed page's [KEYS, ROW] part of the K/V tile summed; one value stored."""
@@ -98,11 +99,17 @@ def _decode_floor_kernel(
     value = pid.to(tl.float32)
     if MODE > 0:
         page = tl.load(pages_ptr + head * T + slot).to(tl.int64)
+        row = ((page * Hkv + head) * 128 + part * KEYS).to(tl.int32)
         if MODE == 1:
             offs = (part * KEYS + tl.arange(0, KEYS))[:, None] * ROW + tl.arange(0, ROW)[None, :]
             tile = tl.load(cache_ptr + page * stride_page + head * stride_head + offs)
+        elif MODE == 2:
+            tile = desc.load([row, 0])
         else:
-            tile = desc.load([((page * Hkv + head) * 128 + part * KEYS).to(tl.int32), 0])
+            # the descriptor the op could make (its launches are traced without host descriptors): written to
+            # this program's global scratch, fenced, then used
+            here = tl.make_tensor_descriptor(cache_ptr, [cache_rows, ROW], [ROW, 1], [KEYS, ROW])
+            tile = here.load([row, 0])
         value += tl.sum(tl.sum(tile.to(tl.float32), axis=1), axis=0)
     tl.store(out_ptr + head * T * PARTS + pid, value)
 
@@ -125,6 +132,8 @@ def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
     keys = 128 // parts
     rows = cache.view(-1, cache.shape[-1])  # [pool * Hkv * 128, 2D]
     desc = TensorDescriptor.from_tensor(rows, [keys, cache.shape[-1]]) if mode == 2 else rows
+    if mode == 3:  # in-kernel descriptors take 128 bytes of global scratch per program
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=cache.device))
 
     def call(s):
         _decode_floor_kernel[(T * parts, Hkv)](
@@ -136,6 +145,7 @@ def floor_call(inp, mode: int, pdl: bool, parts: int = 1):
             cache.stride(1),
             T,
             Hkv,
+            rows.shape[0],
             ROW=cache.shape[-1],
             KEYS=keys,
             MODE=mode,
@@ -429,6 +439,7 @@ def decode_rows(quick: bool, copy: float, floors: bool) -> list[dict]:
                     ("floor: page read in 4 parts, PDL", 1, True, 4),
                     ("floor: page read by TMA, PDL", 2, True, 1),
                     ("floor: page read by TMA in 2 parts, PDL", 2, True, 2),
+                    ("floor: page read by TMA, descriptor made in the kernel, PDL", 3, True, 1),
                 ):
                     if B != 1 or not floors:
                         break
