@@ -19,6 +19,8 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+import triton
+import triton.language as tl
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mm3_compile
@@ -371,6 +373,28 @@ def test_row_tile_narrower_than_the_layout_blocks(target):
     assert_bf16_close(outs[1][0], grouped_gemm_ref(x.double(), v1, s1, ids))
 
 
+@triton.jit
+def _grouped_tiles_kernel(out_ptr, row_blocks, n_tiles, ROW_GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    b, n = gemm_kernels.grouped_tile(pid, row_blocks, n_tiles, ROW_GROUP)
+    tl.store(out_ptr + 2 * pid, b)
+    tl.store(out_ptr + 2 * pid + 1, n)
+
+
+@pytest.mark.parametrize(("row_blocks", "n_tiles", "group"), [(7, 3, 1), (7, 3, 2), (7, 3, 3), (5, 4, 8), (6, 2, 3)])
+def test_grouped_launch_order_covers_every_tile_once(row_blocks, n_tiles, group):
+    """``ROW_GROUP``'s flat order: every (row block, column tile) exactly once; each group of ``group`` row blocks
+    (the last one smaller when they do not divide) runs its tiles side by side, column tile after column tile."""
+    out = torch.full((row_blocks * n_tiles, 2), -1, dtype=torch.int32)
+    _grouped_tiles_kernel[(row_blocks * n_tiles,)](out, row_blocks, n_tiles, ROW_GROUP=group)
+    expected = []
+    for first in range(0, row_blocks, group):
+        size = min(group, row_blocks - first)
+        expected += [(first + i, n) for n in range(n_tiles) for i in range(size)]
+    assert [tuple(p) for p in out.tolist()] == expected
+    assert sorted(expected) == [(b, n) for b in range(row_blocks) for n in range(n_tiles)]
+
+
 def test_pair_tiles_list_each_experts_blocks_in_pairs():
     """Random layouts (groups in expert order, unused blocks last): every used block is in exactly one listed tile,
     a double's two blocks belong to one expert, and the lists follow the blocks' order; compiled by Inductor with a
@@ -406,7 +430,8 @@ def test_pair_tiles_list_each_experts_blocks_in_pairs():
 def test_paired_tiles_give_the_bits_of_block_wide_tiles(target):
     """Row tiles of two layout blocks (GEMM1's 256-row tile over the 128-row layout), with each expert's odd last
     block in a second launch, give the bits of tiles as wide as the blocks: experts of 3 blocks (and the shared
-    expert's 3), 2 blocks, 1 block and none; GEMM2 too; through the op (block_m half the schedule's tile) as well."""
+    expert's 3), 2 blocks, 1 block and none; GEMM2 too; launched in groups of row blocks (``ROW_GROUP``) too;
+    through the op (block_m half the schedule's tile) as well."""
     T = 40
     v1, s1, v2, s2, x, _, w = two_gemms(target, T, (31, 32, 33))
     ids = torch.full((T, K_TOP), 5)
@@ -423,8 +448,12 @@ def test_paired_tiles_give_the_bits_of_block_wide_tiles(target):
         a, a_s = torch.ops.mm3.mxfp8_quantize(torch.randn(T * (K_TOP + 1), I))
         flat_w = torch.rand(T * (K_TOP + 1))
         outs = []
-        for tile in (BLOCK_M, 2 * BLOCK_M):
+        # then the paired tiles launched in groups of 1 and 2 row blocks (ROW_GROUP; odd tile counts leave a last
+        # group of one) over 16-column tiles, several per block
+        for tile, group in ((BLOCK_M, 0), (2 * BLOCK_M, 0), (2 * BLOCK_M, 1), (2 * BLOCK_M, 2)):
             config = dataclasses.replace(schedule(T * 3, 2 * I, H, E, True), BLOCK_M=tile, SWAP_AB=True)
+            if group:
+                config = dataclasses.replace(config, BLOCK_N=16, ROW_GROUP=group)
             tail = dataclasses.replace(config, BLOCK_M=BLOCK_M)
             outs.append(
                 gemms_over_layout(
@@ -450,7 +479,7 @@ def test_paired_tiles_give_the_bits_of_block_wide_tiles(target):
         op = torch.ops.mm3.mxfp8_grouped_gemm(x, v1, s1, pairs32, blocks32, 2 * BLOCK_M, K_TOP)
         plain = dataclasses.replace(schedule(T * K_TOP, 2 * I, H, E, True), BLOCK_M=2 * BLOCK_M)
         ref_op = gemm_kernels.mxfp8_gemm(x, None, v1, s1, fmt, plain, torch.bfloat16, pairs32, blocks32, K_TOP)
-    assert all(torch.equal(a_, b_) for a_, b_ in zip(*outs))
+    assert all(torch.equal(a_, b_) for out in outs[1:] for a_, b_ in zip(outs[0], out))
     assert torch.equal(op, ref_op)
     assert_bf16_close(op, grouped_gemm_ref(x.double(), v1, s1, ids))
 
@@ -705,6 +734,7 @@ for variant in sys.argv[1:]:  # one process for every variant: an interpreter st
         HAS_SHARED=not SPLIT, ROUND_BF16=not FP32, INT_ROUND=False, BLOCK_M=config.BLOCK_M if config else 16,
         BLOCK_N=config.BLOCK_N if config else 32, SWAP_AB=SWAP, BLOCK_K=config.BLOCK_K if config else 128,
         SPLIT_K=4 if SPLIT else 1, K_ALIGN=16, PREFETCH_SCALES=config.PREFETCH_SCALES if config else False,
+        ROW_GROUP=config.ROW_GROUP if config else 0,
         DOT_DTYPE=tl.float32 if FP32 else tl.bfloat16, MAXNREG=(config.maxnreg or 0) if config else 0,
         **fp8.constexprs(),
     )

@@ -55,6 +55,17 @@ def _mx_tile(
 
 
 @triton.jit
+def grouped_tile(pid, row_blocks, n_tiles, ROW_GROUP: tl.constexpr):
+    """(row block, column tile) of flat program ``pid`` in groups of ``ROW_GROUP`` row blocks: a group's row
+    blocks side by side, then its next column tile; the last group holds the row blocks left."""
+    per_group = ROW_GROUP * n_tiles
+    first = pid // per_group * ROW_GROUP
+    in_group = pid % per_group
+    size = tl.minimum(row_blocks - first, ROW_GROUP)
+    return first + in_group % size, in_group // size
+
+
+@triton.jit
 def _round_bf16(v, INT_ROUND: tl.constexpr):
     """fp32 -> the nearest bf16 (ties to even), kept in fp32. The interpreter's cast truncates: integer RNE there."""
     if INT_ROUND:
@@ -98,6 +109,7 @@ def _mxfp8_gemm_kernel(
     SWAP_AB: tl.constexpr,  # accumulate out^T = W @ x^T (the dequantized weight as the left operand)
     SPLIT_K: tl.constexpr,  # > 1: programs along k (axis 2) write raw fp32 partials, summed by _split_k_sum_kernel
     PREFETCH_SCALES: tl.constexpr,  # load the scale tiles one k step ahead, in registers
+    ROW_GROUP: tl.constexpr,  # > 0: axis 0 numbers (row block, column tile) in groups of ROW_GROUP row blocks
     DOT_DTYPE: tl.constexpr,  # bf16 for bf16/MXFP8 x; fp32 for fp16/fp32 x and under the interpreter
     FP8: tl.constexpr,  # the FP8 launch constants of the weights and an MXFP8 x (kernels/fp8.py)
     FP8_MAX: tl.constexpr,
@@ -109,8 +121,12 @@ def _mxfp8_gemm_kernel(
     N = n_units * 16
     k_blocks = k_units * K_ALIGN
     K = k_blocks * MX
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if ROW_GROUP > 0:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        pid_b, pid_n = grouped_tile(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, ROW_GROUP)
+    else:
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if GROUPED:
@@ -355,9 +371,10 @@ def mxfp8_gemm(
     round_bf16 = x_scales is not None or out_dtype == torch.bfloat16
 
     def run(cfg: GemmConfig, programs, tiles: torch.Tensor | None, tile_blocks: int, block_split: int) -> None:
+        n_tiles = triton.cdiv(N, cfg.BLOCK_N)
         launch(
             _mxfp8_gemm_kernel,
-            (programs, triton.cdiv(N, cfg.BLOCK_N), splits),
+            (programs * n_tiles, 1, splits) if cfg.ROW_GROUP else (programs, n_tiles, splits),
             xk,
             x_scales if x_scales is not None else dummy,
             w,

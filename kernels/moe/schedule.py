@@ -28,6 +28,11 @@ class GemmConfig:
     PREFETCH_SCALES: bool = False
     # registers per thread at most (None: ptxas's choice): 128 lets two 8-warp programs share an SM
     maxnreg: int | None = None
+    # launch order. 0: every row block of a column tile before the next column tile; g >= 1: groups of g row
+    # blocks, each group's column tiles one after another (its g row blocks side by side). Programs running at
+    # once share what they read through the L2: a column tile of each expert's weight in the first order, the
+    # group's x row blocks (and the weight tiles of its experts) in the second
+    ROW_GROUP: int = 0
 
     def launch_options(self) -> dict:
         return {
@@ -37,6 +42,7 @@ class GemmConfig:
             "SWAP_AB": self.SWAP_AB,
             "SPLIT_K": self.SPLIT_K,
             "PREFETCH_SCALES": self.PREFETCH_SCALES,
+            "ROW_GROUP": self.ROW_GROUP,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
