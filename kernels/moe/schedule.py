@@ -31,7 +31,7 @@ class GemmConfig:
     # launch order. 0: every row block of a column tile before the next column tile; g >= 1: groups of g row
     # blocks, each group's column tiles one after another (its g row blocks side by side). Programs running at
     # once share what they read through the L2: a column tile of each expert's weight in the first order, the
-    # group's x row blocks (and the weight tiles of its experts) in the second
+    # group's x row blocks (and the weight tiles of its experts) in the second. The prefill tiles take 1
     ROW_GROUP: int = 0
 
     def launch_options(self) -> dict:
@@ -153,6 +153,11 @@ def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
     with the scales loaded ahead took GEMM1 10.50 -> 6.54 ms (128 x 128 x 128 tiles, 3 stages, before). A 256-row
     tile dequantizes each weight tile once for twice the rows; it pads every expert's rows to a multiple of 256, so
     it starts where experts average 256 rows. GEMM2's tile divides GEMM1's: it runs over GEMM1's align layout.
+
+    Every prefill tile launches row block by row block (``ROW_GROUP`` 1: a row block's column tiles run side by
+    side and share its x rows through the L2, instead of each column tile reading every row block's x again). H100,
+    8192 tokens, the bench block's routes, alone: GEMM1 7.00 -> 6.39 ms, GEMM2 5.32 -> 5.10 ms, the block (eager)
+    16.3 -> 15.4 ms; groups of 2 and 4 row blocks were between (bench/NOTES.md, session 34).
     """
     if x_mx:
         # GEMM2 (MXFP8 x, decoded per step too): 128-row tiles of 8 warps capped at 128 registers, two programs per
@@ -160,10 +165,10 @@ def _prefill(rows_per_expert: float, x_mx: bool) -> GemmConfig:
         # registers (two programs, 8 warps per SM); 8 warps uncapped take 143 registers, one program: 7.18 ms;
         # 16 warps split the weight rows over two warp groups that both decode them: 8.1 ms (bench/NOTES.md,
         # session 25). On the 256-row layout a block runs as two tiles, and a tile of pads only exits
-        return GemmConfig(128, 128, 32, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True, maxnreg=128)
+        return GemmConfig(128, 128, 32, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True, maxnreg=128, ROW_GROUP=1)
     if rows_per_expert >= 256:
-        return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)
-    return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True)  # 10.50 -> 7.95 ms
+        return GemmConfig(256, 128, 64, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True, ROW_GROUP=1)
+    return GemmConfig(128, 128, 128, 8, 4, SWAP_AB=True, PREFETCH_SCALES=True, ROW_GROUP=1)  # 10.50 -> 7.95 ms
 
 
 # Rows per block of the align layout at most: GEMM2's prefill tile. GEMM1's 256-row tile spans two blocks of an
