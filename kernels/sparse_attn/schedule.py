@@ -36,6 +36,7 @@ def launch_options(
     fp8_decode: bool = False,
     decode_programs: int | None = None,
     interpreting: bool = False,
+    blocks_per_program: int | None = None,
 ) -> dict:
     """``DOT_FP32``, warps and stages of an attention launch.
 
@@ -47,6 +48,7 @@ def launch_options(
         fp8_decode: one-token decode over an FP8 cache.
         decode_programs: the grid size of a one-token decode, else None.
         interpreting: the Triton interpreter, whose bf16 dots are wrong (widen the operands).
+        blocks_per_program: the blocks one decode program walks (its split's), if known.
 
     Returns:
         Keyword options of the launch. sm_90, a one-token decode grid of at most one program per SM
@@ -54,7 +56,7 @@ def launch_options(
         for FP8 KV (its program issues twice a bf16 one's instructions per warp, so the wave is bound by
         instruction latency on too few warps). Larger decode grids: bf16 8 warps (16 rows; 4 warps
         spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room for two 3-stage
-        programs per SM). Prefill: 8 warps for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
+        programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
@@ -62,6 +64,8 @@ def launch_options(
         {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 3}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64)
         {'DOT_FP32': False, 'num_warps': 8, 'num_stages': 2}
+        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256, blocks_per_program=2)
+        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 2}
     """
     if interpreting or vendor == "cpu":
         return dict(DOT_FP32=True, num_warps=4)
@@ -70,26 +74,36 @@ def launch_options(
     one_wave = decode_programs is not None and decode_programs <= sm_count
     if fp8_decode:
         # H200, TP1 / TP8 B1 s32768 (graph replay): 4 warps 3 stages 8.77 / 6.73 us, 8 warps 2 stages 7.62 / 6.31
-        # us; at B32 (256 programs) 8 warps took 17.3 us against 13.0 (bench/NOTES.md, session 24)
-        return dict(DOT_FP32=False, num_warps=8 if one_wave else 4, num_stages=2 if one_wave else 3)
+        # us; at B32 (256 programs) 8 warps took 17.3 us against 13.0 (bench/NOTES.md, session 24). Programs of at
+        # most 2 blocks: 2 stages (H100, TP8 B32, 8 splits of 2 blocks: 14.48 -> 13.15 us; TP1 B32's 2 splits of 8
+        # blocks keep 3: 32.88 us against 33.73; bench/NOTES.md, session 34)
+        short = blocks_per_program is not None and blocks_per_program <= 2
+        return dict(DOT_FP32=False, num_warps=8 if one_wave else 4, num_stages=2 if one_wave or short else 3)
     num_warps = 4 if prefill and block_m <= 64 else 8
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
 
 def kernel_options(
-    device: torch.device, block_m: int, prefill: bool, fp8_decode: bool = False, decode_programs=None
+    device: torch.device,
+    block_m: int,
+    prefill: bool,
+    fp8_decode: bool = False,
+    decode_programs=None,
+    blocks_per_program=None,
 ) -> dict:
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
     A symbolic one-token bf16 decode grid takes its trace's hint (only the stage count follows it); a symbolic
-    FP8 one gets the multi-wave options: the one-wave 8 warps cost a 32-token FP8 step a third more (bench/NOTES.md,
+    FP8 one gets the multi-wave options (3 stages: a symbolic split's block count counts as unknown): the one-wave 8 warps cost a 32-token FP8 step a third more (bench/NOTES.md,
     session 24), and a graph traced at one request runs every batch.
     """
     if isinstance(decode_programs, torch.SymInt):
         decode_programs = None if fp8_decode else size_hint(decode_programs)
+    if isinstance(blocks_per_program, torch.SymInt):  # unknown: a graph traced at one request runs every batch
+        blocks_per_program = None
     if platform.interpreting() or device.type != "cuda":
         return launch_options("cpu", None, block_m, prefill, fp8_decode, decode_programs, interpreting=True)
     vendor = platform.platform_for(device).vendor
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index) if vendor == "nvidia" else None
-    return launch_options(vendor, sms, block_m, prefill, fp8_decode, decode_programs)
+    return launch_options(vendor, sms, block_m, prefill, fp8_decode, decode_programs, False, blocks_per_program)

@@ -583,5 +583,6 @@ def launch_sparse_attn(
             prefill=cu_seqlens_q is not None,
             fp8_decode=fmt is not None and decode_tile,
             decode_programs=grid[0] * Hkv if decode_tile else None,
+            blocks_per_program=blocks_per_split if decode_tile else None,
         ),
     )
