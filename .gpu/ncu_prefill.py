@@ -7,31 +7,10 @@ Run: ncu -k regex:_mxfp8_gemm_kernel --launch-skip 6 --launch-count 6 --section 
   --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
   python3 .gpu/ncu_prefill.py"""
 import dataclasses, os, sys
-sys.path.insert(0, os.getcwd())
-from bench.run import _prepare_environment
-_prepare_environment(False)
-import torch
-import mm3_compile  # noqa
-from bench import moe as moe_bench
-from mm3_compile import platform
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_setup import E, T, blocks, cfg, dev, ex, fmt, k, moe, moe_bench, pairs, pw, torch, x
 from mm3_compile.kernels.moe import gemm as G, schedule as S
-from mm3_compile.kernels.moe.naive import route_ref
-from mm3_compile.models import MiniMaxM3Config
 from mm3_compile.ops.moe import gemm_schedule
-
-dev = torch.device("cuda")
-cfg = MiniMaxM3Config.m3_1layer()
-moe = moe_bench.build_block(dev, cfg)
-ex = moe.experts
-T = int(os.environ.get("TOK", "8192"))
-gen = torch.Generator(device=dev).manual_seed(7)
-x = torch.randn(T, cfg.hidden_size, generator=gen, device=dev).to(torch.bfloat16)
-logits = torch.nn.functional.linear(x.float(), moe.gate_weight)
-ids, w = route_ref(logits, moe.correction_bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-E, k = ex.gate_up.values.shape[0], ids.shape[1]
-pairs, blocks = torch.ops.mm3.moe_align(ids, E, 128)
-fmt = platform.fp8_format(ex.gate_up.values.dtype)
-pw = w.reshape(-1).float()
 g1cfg = gemm_schedule(T * k, 2 * cfg.moe_intermediate_size, cfg.hidden_size, E, dev)
 tail = S.tail_schedule(g1cfg)
 g2cfg = gemm_schedule(T * k, cfg.hidden_size, cfg.moe_intermediate_size, E, dev, True)
