@@ -56,7 +56,8 @@ def launch_options(
         for FP8 KV (its program issues twice a bf16 one's instructions per warp, so the wave is bound by
         instruction latency on too few warps). Larger decode grids: bf16 8 warps (16 rows; 4 warps
         spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room for two 3-stage
-        programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
+        programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps for 128-row
+        tiles, 4 for tiles of <= 64 rows, 2 stages.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
@@ -94,8 +95,9 @@ def kernel_options(
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
     A symbolic one-token bf16 decode grid takes its trace's hint (only the stage count follows it); a symbolic
-    FP8 one gets the multi-wave options (3 stages: a symbolic split's block count counts as unknown): the one-wave 8 warps cost a 32-token FP8 step a third more (bench/NOTES.md,
-    session 24), and a graph traced at one request runs every batch.
+    FP8 one gets the multi-wave options (3 stages: a symbolic split's block count counts as unknown): the one-wave
+    8 warps cost a 32-token FP8 step a third more (bench/NOTES.md, session 24), and a graph traced at one request
+    runs every batch.
     """
     if isinstance(decode_programs, torch.SymInt):
         decode_programs = None if fp8_decode else size_hint(decode_programs)
@@ -106,4 +108,6 @@ def kernel_options(
     vendor = platform.platform_for(device).vendor
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index) if vendor == "nvidia" else None
-    return launch_options(vendor, sms, block_m, prefill, fp8_decode, decode_programs, False, blocks_per_program)
+    return launch_options(
+        vendor, sms, block_m, prefill, fp8_decode, decode_programs, blocks_per_program=blocks_per_program
+    )
