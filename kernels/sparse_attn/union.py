@@ -39,6 +39,7 @@ from mm3_compile.kernels.sparse_attn.jit import (
     listed_id_ok,
     packed_requests,
     page_ok,
+    prefetch_token_inputs,
     scalar_scales,
     select_slots,
     slot_window,
@@ -113,10 +114,37 @@ def sparse_attn_fwd_kernel(
 ):
     """Rows of the tile are (token, query head) pairs: row = token_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    ROW_PAGES: tl.constexpr = BLOCK_Q == 1 and not VARLEN and BLOCK_T <= MATRIX_DEDUP_SLOTS and TABLE_ROW > 0
     if PDL:
         # Every input (q, lists, tables, the cache, the counters) may come from the previous kernel: no
-        # memory access before the wait.  What overlaps is this grid's launch and the previous grid's
-        # tail; the next dependent launch may start its own launch as soon as every program is here.
+        # load before the wait.  What overlaps is this grid's launch and the previous grid's tail, and
+        # (one-token tiles) the L2 prefetch of this program's first dependent loads; the next dependent
+        # launch may start its own launch as soon as every program is here.
+        if ROW_PAGES:
+            prefetch_tile = tl.program_id(0) // num_splits
+            prefetch_token_inputs(
+                q_ptr,
+                topk_ptr,
+                block_table_ptr,
+                seq_lens_ptr,
+                tl.program_id(1),
+                prefetch_tile,
+                prefetch_tile // q_per_req,
+                max_blocks,
+                T,
+                stride_qt,
+                stride_qh,
+                stride_tkh,
+                stride_tkt,
+                stride_tks,
+                stride_btr,
+                stride_btb,
+                G,
+                D,
+                BLOCK_H,
+                BLOCK_T,
+                TABLE_ROW,
+            )
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
@@ -147,7 +175,6 @@ def sparse_attn_fwd_kernel(
     # The tile's keys: (request, logical block) of every valid slot, NO_KEY for skipped ones.
     slots = tl.arange(0, BLOCK_T)
     LONG_LIST: tl.constexpr = BLOCK_Q == 1 and BLOCK_T > MATRIX_DEDUP_SLOTS
-    ROW_PAGES: tl.constexpr = BLOCK_Q == 1 and not VARLEN and not LONG_LIST and TABLE_ROW > 0
     if ROW_PAGES:
         # one token per tile (BLOCK_M = BLOCK_H rows of it): its request from arithmetic, no load to wait on
         tile_req = tile // q_per_req
@@ -424,20 +451,31 @@ def _merge_partials(
     SCALE_OUT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # a bound of num_splits
 ):
-    """out = sum_c 2^lse_c o_c / sum_c 2^lse_c in one pass (running max), times ``out_scale`` if SCALE_OUT;
-    a row with no key in any split -> 0.
+    """out = sum_c 2^(lse_c - M) o_c / sum_c 2^(lse_c - M), M = max_c lse_c, times ``out_scale`` if SCALE_OUT; a
+    row with no key in any split -> 0, a NaN lse -> a NaN row.
 
-    The loop over splits is unrolled to MAX_SPLITS (splits past num_splits load nothing): its loads do not
-    depend on each other and nothing between them waits on a barrier, so they are all in flight at once; a
-    counted loop issued each split's loads after the previous split's arithmetic (one L2 round trip per
-    split, ~0.3 us each on the H200 for the 16 splits of a one-token step)."""
+    Both loops over splits are unrolled to MAX_SPLITS (splits past num_splits load nothing): their loads do
+    not depend on each other and nothing between them waits on a barrier, so they are all in flight at once
+    (a counted loop issued each split's loads after the previous split's arithmetic: one L2 round trip per
+    split, ~0.3 us each on the H200 for the 16 splits of a one-token step).  The maximum comes first so that
+    every split's weight is one exp2 of its own, where a running maximum rescaled the accumulator at every
+    split (a chain of dependent exp2s): one-token steps with 16 splits took 0.15-0.28 us less (bench/NOTES.md,
+    session 37)."""
     dims = tl.arange(0, D)
     lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
+    for c in tl.static_range(MAX_SPLITS):
+        mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)  # a vector: see key_pos above
+        lse = tl.load(
+            lse_ptr + c * split_rows.to(tl.int64) + row_offset, mask=mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        lse_max = tl.maximum(lse_max, lse)
+    ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key in any split: weights 0, nothing NaN
     weight_sum = tl.zeros(row_offset.shape, tl.float32)
     acc = tl.zeros([row_offset.shape[0], D], tl.float32)
     for c in tl.static_range(MAX_SPLITS):
-        mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)  # a vector: see key_pos above
+        mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)
         part_offset = c * split_rows.to(tl.int64) + row_offset
+        # the same lse loads as above: the compiler issues each once
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
             partial_ptr + part_offset[:, None] * D + dims[None, :],
@@ -445,13 +483,9 @@ def _merge_partials(
             other=0.0,
             cache_modifier=".cg",
         )
-        new_max = tl.maximum(lse_max, lse)
-        ref = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key so far: weights 0, nothing NaN
-        rescale = tl.exp2(lse_max - ref)
         w = tl.exp2(lse - ref)
-        acc = acc * rescale[:, None] + w[:, None] * widen(o)
-        weight_sum = weight_sum * rescale + w
-        lse_max = new_max
+        acc += w[:, None] * widen(o)
+        weight_sum += w
     out = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     if SCALE_OUT:
         out = out * out_scale

@@ -74,6 +74,12 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                        {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(source, target=target, options=options)
+    if constexprs["PDL"]:
+        head = compiled.asm["ptx"].split("griddepcontrol.wait")[0]
+        # nothing is read before PDL's wait; one-token tiles prefetch their first dependent loads there
+        assert "ld.global" not in head and "atom." not in head, head[-3000:]
+        prefetches = head.count("prefetch.global.L2")  # seq_len, list, table row, q: one or more asm each
+        assert prefetches >= 4 if decode_tile else prefetches == 0, head[-3000:]
     print("compiled", sorted(compiled.asm), flush=True)
 
 """ + each_variant(8)
@@ -219,7 +225,8 @@ GPU_TARGET_VARIANTS = [
 
 def test_kernels_compile_for_gpu_targets():
     """The interpreter accepts things GPU compilation rejects (e.g. non-constexpr globals): compile ahead of time,
-    every variant in one process (a failure names its variant on stderr)."""
+    every variant in one process (a failure names its variant on stderr).  A PDL build (sm_90 decode) reads no
+    memory before its wait, and one-token tiles issue their L2 prefetches there."""
     args = [str(a) for variant in GPU_TARGET_VARIANTS for a in variant]
     result = run_python(AOT_COMPILE_SCRIPT, *args, env_drop=("TRITON_INTERPRET",))
     assert result.returncode == 0, result.stderr[-3000:]
