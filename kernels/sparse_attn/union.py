@@ -465,9 +465,8 @@ def _merge_partials(
     lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)  # a vector: see key_pos above
-        lse = tl.load(
-            lse_ptr + c * split_rows.to(tl.int64) + row_offset, mask=mask, other=float("-inf"), cache_modifier=".cg"
-        )
+        part_offset = c * split_rows.to(tl.int64) + row_offset
+        lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key in any split: weights 0, nothing NaN
     weight_sum = tl.zeros(row_offset.shape, tl.float32)
@@ -475,7 +474,7 @@ def _merge_partials(
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)
         part_offset = c * split_rows.to(tl.int64) + row_offset
-        # the same lse loads as above: the compiler issues each once
+        # the same lse load as above (the same address expression): the compiler issues it once
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
             partial_ptr + part_offset[:, None] * D + dims[None, :],
