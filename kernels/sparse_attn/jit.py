@@ -349,44 +349,6 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def prefetch_token_inputs(
-    q_ptr,
-    topk_ptr,
-    block_table_ptr,
-    seq_lens_ptr,
-    kv_head,
-    token,  # scalar: the tile's one token
-    req,  # scalar: its request
-    max_blocks,
-    T,
-    stride_qt,
-    stride_qh,
-    stride_tkh,
-    stride_tkt,
-    stride_tks,
-    stride_btr,
-    stride_btb,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    TABLE_ROW: tl.constexpr,
-):
-    """Before PDL's wait: the L2 prefetch of everything :func:`token_slots` and the q load read (seq_len, the
-    list, the table row, the KV head's q rows), from program ids and sizes only, every address clamped inside
-    its tensor.  Their HBM latency then overlaps the previous grid instead of heading this program's chain of
-    dependent loads (seq_len | list | table row -> K/V)."""
-    prefetch_l2(seq_lens_ptr + req)
-    slots = tl.minimum(tl.arange(0, BLOCK_T), T - 1)
-    prefetch_l2(topk_ptr + kv_head.to(tl.int64) * stride_tkh + token.to(tl.int64) * stride_tkt + slots * stride_tks)
-    entries = tl.minimum(tl.arange(0, TABLE_ROW), max_blocks - 1)
-    prefetch_l2(block_table_ptr + req.to(tl.int64) * stride_btr + entries.to(tl.int64) * stride_btb)
-    heads = kv_head * G + tl.minimum(tl.arange(0, BLOCK_H), G - 1)
-    halves = tl.arange(0, 2) * (D // 2)  # a bf16/fp16 row of D = 128 spans two 128-byte lines
-    prefetch_l2(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + halves[None, :])
-
-
-@triton.jit
 def select_slots(
     topk_ptr,
     block_table_ptr,

@@ -39,7 +39,7 @@ from mm3_compile.kernels.sparse_attn.jit import (
     listed_id_ok,
     packed_requests,
     page_ok,
-    prefetch_token_inputs,
+    prefetch_l2,
     scalar_scales,
     select_slots,
     slot_window,
@@ -121,30 +121,23 @@ def sparse_attn_fwd_kernel(
         # (one-token tiles) the L2 prefetch of this program's first dependent loads; the next dependent
         # launch may start its own launch as soon as every program is here.
         if ROW_PAGES:
-            prefetch_tile = tl.program_id(0) // num_splits
-            prefetch_token_inputs(
-                q_ptr,
-                topk_ptr,
-                block_table_ptr,
-                seq_lens_ptr,
-                tl.program_id(1),
-                prefetch_tile,
-                prefetch_tile // q_per_req,
-                max_blocks,
-                T,
-                stride_qt,
-                stride_qh,
-                stride_tkh,
-                stride_tkt,
-                stride_tks,
-                stride_btr,
-                stride_btb,
-                G,
-                D,
-                BLOCK_H,
-                BLOCK_T,
-                TABLE_ROW,
+            # from program ids and sizes only, every address clamped inside its tensor: what token_slots and
+            # the q load read first (seq_len, the list, the table row, the KV head's q rows)
+            p_token = tl.program_id(0) // num_splits
+            p_req = p_token // q_per_req
+            p_slots = tl.minimum(tl.arange(0, BLOCK_T), T - 1)
+            p_entries = tl.minimum(tl.arange(0, TABLE_ROW), max_blocks - 1)
+            p_heads = tl.program_id(1) * G + tl.minimum(tl.arange(0, BLOCK_H), G - 1)
+            p_halves = tl.arange(0, 2) * (D // 2)  # a bf16/fp16 row of D = 128 spans two 128-byte lines
+            prefetch_l2(seq_lens_ptr + p_req)
+            prefetch_l2(
+                topk_ptr
+                + tl.program_id(1).to(tl.int64) * stride_tkh
+                + p_token.to(tl.int64) * stride_tkt
+                + p_slots * stride_tks
             )
+            prefetch_l2(block_table_ptr + p_req.to(tl.int64) * stride_btr + p_entries.to(tl.int64) * stride_btb)
+            prefetch_l2(q_ptr + p_token.to(tl.int64) * stride_qt + p_heads[:, None] * stride_qh + p_halves[None, :])
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
