@@ -114,6 +114,7 @@ def sparse_attn_decode(
     num_splits: int | None = None,  # override of the shape-derived plan (tests, tuning)
     block_q: int = 1,  # tokens per program; > 1 lets a request's speculative tokens share K/V loads
     counters: torch.Tensor | None = None,  # [>= ARRIVAL_COUNTERS] int32 zeros the caller owns, left zero
+    dependent_merge: bool | None = None,  # override (tests): may merge in a dependent launch (union.py)
 ) -> torch.Tensor:
     total_q, Hq, D = q.shape
     Hkv = kv_cache.shape[1]
@@ -159,5 +160,6 @@ def sparse_attn_decode(
         num_splits=num_splits,
         blocks_per_split=blocks_per_split,
         block_q=block_q,
+        dependent_merge=dependent_merge,
     )
     return out
