@@ -462,7 +462,7 @@ def _merge_partials(
     lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)  # a vector: see key_pos above
-        part_offset = c * split_rows.to(tl.int64) + row_offset
+        part_offset = c * tl.cast(split_rows, tl.int64) + row_offset  # an int where a trace specialised it
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key in any split: weights 0, nothing NaN
@@ -470,7 +470,7 @@ def _merge_partials(
     acc = tl.zeros([row_offset.shape[0], D], tl.float32)
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)
-        part_offset = c * split_rows.to(tl.int64) + row_offset
+        part_offset = c * tl.cast(split_rows, tl.int64) + row_offset  # an int where a trace specialised it
         # the same lse load as above (the same address expression): the compiler issues it once
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
