@@ -3,7 +3,11 @@
 Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
 batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
 partial and its log2-sum-exp, and the last split of a (token, KV head) to finish merges them
-counted by an arrival counter: one attention launch per decode step.  ``num_splits``
+counted by an arrival counter: one attention launch per decode step.  Grids of at most
+``schedule.DEPENDENT_MERGE_MAX_TILES`` (token, KV head) tiles launched with PDL (one or a few requests,
+where every split ends at once and the last arrival's merge is a serial tail) merge in a second,
+dependent launch instead (``union.split_merge_kernel``): a value of the grid (``schedule.merge_plan``),
+so a graph traced at one batch launches no merge (grid 0) at larger ones.  ``num_splits``
 depends only on shapes and the device's SM count, never on data, so a captured CUDA graph stays
 valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
 being guarded.  With one split there are no partials and no counters.

@@ -16,7 +16,8 @@ are never written).  Each selected 128-token block costs one dot pair (``jit.att
 
 Decode splits each token's work: split c takes distinct blocks (slots for BLOCK_Q = 1)
 ``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (BLOCK_Q > 1: the last split takes the rest)
-and writes a normalised partial + log2-sum-exp; the last split to finish merges them (``_merge_partials``).
+and writes a normalised partial + log2-sum-exp; the last split to finish merges them (``_merge_partials``), or, in
+small PDL grids (``schedule.merge_plan``), ``split_merge_kernel`` launched after the grid.
 
 Selection: slots ``[0, min(T, p // 128 + 1))`` are read (position-derived); an id that is negative,
 beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is skipped
