@@ -3,7 +3,11 @@
 Each (token, KV head) walks at most T (16) blocks, too little work to fill the GPU at small
 batches, so the top-k list is split over ``num_splits`` programs; each writes a normalised
 partial and its log2-sum-exp, and the last split of a (token, KV head) to finish merges them
-counted by an arrival counter: one attention launch per decode step.  ``num_splits``
+counted by an arrival counter: one attention launch per decode step.  Grids of at most
+``schedule.DEPENDENT_MERGE_MAX_TILES`` (token, KV head) tiles launched with PDL (one or a few requests,
+where every split ends at once and the last arrival's merge is a serial tail) merge in a second,
+dependent launch instead (``union.split_merge_kernel``): a value of the grid (``schedule.merge_plan``),
+so a graph traced at one batch launches no merge (grid 0) at larger ones.  ``num_splits``
 depends only on shapes and the device's SM count, never on data, so a captured CUDA graph stays
 valid; it is computed with ``torch.sym_*`` so a symbolic batch size stays symbolic instead of
 being guarded.  With one split there are no partials and no counters.
@@ -114,6 +118,7 @@ def sparse_attn_decode(
     num_splits: int | None = None,  # override of the shape-derived plan (tests, tuning)
     block_q: int = 1,  # tokens per program; > 1 lets a request's speculative tokens share K/V loads
     counters: torch.Tensor | None = None,  # [>= ARRIVAL_COUNTERS] int32 zeros the caller owns, left zero
+    dependent_merge: bool | None = None,  # override (tests): may merge in a dependent launch (union.py)
 ) -> torch.Tensor:
     total_q, Hq, D = q.shape
     Hkv = kv_cache.shape[1]
@@ -159,5 +164,6 @@ def sparse_attn_decode(
         num_splits=num_splits,
         blocks_per_split=blocks_per_split,
         block_q=block_q,
+        dependent_merge=dependent_merge,
     )
     return out

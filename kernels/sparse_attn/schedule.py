@@ -28,6 +28,53 @@ def fp16_dots(fmt: FP8Format | None, scale_mode: int) -> bool:
     return fmt is not None and scale_mode != SCALE_PER_TOKEN_HEAD
 
 
+# Split one-token decode of at most this many (token, KV head) tiles merges in a dependent launch (``merge_plan``);
+# measured at 1 and 4 tiles (B1 TP8 / TP1), where every tile's splits end together.
+DEPENDENT_MERGE_MAX_TILES = 4
+MERGE_MAX_ROWS = 16  # rows one merge program combines (its [rows, D] tiles stay in registers)
+
+
+def merge_plan(tiles):
+    """``last_merges`` of a split one-token decode whose launcher may merge in ``union.split_merge_kernel``: 1 where
+    the last split of each tile to arrive merges its tile, 0 where the dependent merge launch does.
+
+    A value computed from the grid, not a choice at trace time: a graph traced at one batch runs every batch
+    (symbolic ``tiles`` give a symbolic value without a guard), and the merge launch's grid is 0 where it is 1
+    (no launch). The last arrival's merge is a serial tail where every tile's splits end together: partial
+    stores, CTA barrier, GPU-scope fence and atomic, then one SM reading all of its tile's partials from the L2.
+    A dependent launch trades both for the grid boundary and a merge spread over many programs (H100, graph
+    replay, B1 s32768: TP1 7.72 -> 6.99 us bf16, 7.33 -> 6.94 FP8; TP8 6.06 -> 5.58, 5.77 -> 5.52). With many
+    tiles the last arrivals' merges overlap other tiles' pages and the boundary is pure cost (forced at TP8 B32:
+    16.95 -> 18.21 us bf16, 13.16 -> 14.67 FP8): bench/NOTES.md, session 38.
+
+    Examples:
+        >>> merge_plan(4), merge_plan(5), merge_plan(128)
+        (0, 1, 1)
+    """
+    return torch.sym_min(1, torch.sym_max(0, tiles - DEPENDENT_MERGE_MAX_TILES))
+
+
+MERGE_WARPS = 4
+MERGE_INTERPRETER_PROGRAMS = 4  # the interpreter's merge grids: several programs, partly masked row tiles
+
+
+def merge_rows(rows, device: torch.device) -> int:
+    """``BLOCK_R`` of a merge launch: the fewest (token, query head) rows per program, a power of two from 2 to
+    ``MERGE_MAX_ROWS``, that keep its grid within one program per SM (``rows`` may be symbolic: its hint).
+
+    Examples:
+        >>> cpu = torch.device("cpu")  # the interpreter aims at 4 programs
+        >>> merge_rows(64, cpu), merge_rows(8, cpu), merge_rows(8192, cpu)
+        (16, 2, 16)
+    """
+    if device.type == "cuda" and not platform.interpreting():
+        programs = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        programs = MERGE_INTERPRETER_PROGRAMS
+    hint = size_hint(rows) or 1
+    return min(MERGE_MAX_ROWS, max(2, triton.next_power_of_2(-(-hint // programs))))
+
+
 def launch_options(
     vendor: str,
     sm_count: int | None,

@@ -16,7 +16,8 @@ are never written).  Each selected 128-token block costs one dot pair (``jit.att
 
 Decode splits each token's work: split c takes distinct blocks (slots for BLOCK_Q = 1)
 ``[c * blocks_per_split, (c + 1) * blocks_per_split)`` (BLOCK_Q > 1: the last split takes the rest)
-and writes a normalised partial + log2-sum-exp; the last split to finish merges them (``_merge_partials``).
+and writes a normalised partial + log2-sum-exp; the last split to finish merges them (``_merge_partials``), or, in
+small PDL grids (``schedule.merge_plan``), ``split_merge_kernel`` launched after the grid.
 
 Selection: slots ``[0, min(T, p // 128 + 1))`` are read (position-derived); an id that is negative,
 beyond ``p // 128`` or beyond the block table, or whose page is outside the cache, is skipped
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mm3_compile import platform
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
 from mm3_compile.kernels._launch import launch, use_pdl
 from mm3_compile.kernels.fp8 import fp8_launch
@@ -79,6 +81,7 @@ def sparse_attn_fwd_kernel(
     T,
     num_splits,
     blocks_per_split,  # distinct blocks (BLOCK_Q = 1: list slots) per split
+    last_merges,  # SPLIT: 1: the last split of a tile to arrive merges it; 0: split_merge_kernel does
     qk_scale,  # sm_scale * log2(e)
     stride_qt,
     stride_qh,
@@ -390,10 +393,11 @@ def sparse_attn_fwd_kernel(
     out_ptrs = out_ptr + row_offset[:, None] * D + dims[None, :]
     if SPLIT:
         if num_splits > 1:
-            # Write this split's partial; the last of the tile's splits to arrive merges them all,
-            # so decode is one launch.  NVIDIA ordering (the launcher never splits on ROCm): the
-            # CTA barrier orders every thread's partial stores before thread 0's GPU-scope acq_rel
-            # arrival; the merger acquires the same counter and reads the partials from L2 (.cg).
+            # Write this split's partial.  last_merges: the last of the tile's splits to arrive merges
+            # them all in this launch.  NVIDIA ordering (the launcher never splits on ROCm): the CTA
+            # barrier orders every thread's partial stores before thread 0's GPU-scope acq_rel arrival;
+            # the merger acquires the same counter and reads the partials from L2 (.cg).  Otherwise
+            # split_merge_kernel, launched next, merges them after this grid has ended.
             split_rows = total_q * Hq
             part_offset = split.to(tl.int64) * split_rows + row_offset
             lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
@@ -404,26 +408,27 @@ def sparse_attn_fwd_kernel(
                 to_model_dtype(o, partial_ptr.dtype.element_ty),
                 mask=row_mask[:, None],
             )
-            tl.debug_barrier()
-            counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                # Zero again for the next call / CUDA-graph replay.  Relaxed: every split has arrived, so
-                # nothing else in this launch touches the counter, and the next launch starts after this
-                # one ends; acq_rel would add a GPU-scope fence on the merger's path.
-                tl.atomic_xchg(counter, 0, sem="relaxed")
-                _merge_partials(
-                    partial_ptr,
-                    lse_ptr,
-                    out_ptrs,
-                    row_offset,
-                    row_mask,
-                    split_rows,
-                    num_splits,
-                    v_scale,
-                    D,
-                    FP16_DOTS,
-                    MAX_SPLITS,
-                )
+            if last_merges != 0:
+                tl.debug_barrier()
+                counter = arrivals_ptr + tile * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                    # Zero again for the next call / CUDA-graph replay.  Relaxed: every split has arrived, so
+                    # nothing else in this launch touches the counter, and the next launch starts after this
+                    # one ends; acq_rel would add a GPU-scope fence on the merger's path.
+                    tl.atomic_xchg(counter, 0, sem="relaxed")
+                    _merge_partials(
+                        partial_ptr,
+                        lse_ptr,
+                        out_ptrs,
+                        row_offset,
+                        row_mask,
+                        split_rows,
+                        num_splits,
+                        v_scale,
+                        D,
+                        FP16_DOTS,
+                        MAX_SPLITS,
+                    )
         else:
             tl.store(out_ptrs, to_model_dtype(o_out, out_ptr.dtype.element_ty), mask=row_mask[:, None])
     else:
@@ -458,7 +463,7 @@ def _merge_partials(
     lse_max = tl.full(row_offset.shape, float("-inf"), tl.float32)
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)  # a vector: see key_pos above
-        part_offset = c * split_rows.to(tl.int64) + row_offset
+        part_offset = c * tl.cast(split_rows, tl.int64) + row_offset  # an int where a trace specialised it
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
     ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key in any split: weights 0, nothing NaN
@@ -466,7 +471,7 @@ def _merge_partials(
     acc = tl.zeros([row_offset.shape[0], D], tl.float32)
     for c in tl.static_range(MAX_SPLITS):
         mask = row_mask & (tl.full(row_offset.shape, c, tl.int32) < num_splits)
-        part_offset = c * split_rows.to(tl.int64) + row_offset
+        part_offset = c * tl.cast(split_rows, tl.int64) + row_offset  # an int where a trace specialised it
         # the same lse load as above (the same address expression): the compiler issues it once
         lse = tl.load(lse_ptr + part_offset, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(
@@ -482,6 +487,37 @@ def _merge_partials(
     if SCALE_OUT:
         out = out * out_scale
     tl.store(out_ptrs, to_model_dtype(out, out_ptrs.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def split_merge_kernel(
+    partial_ptr,  # [num_splits, rows, D] model dtype
+    lse_ptr,  # [num_splits, rows] fp32
+    out_ptr,  # [rows, D] model dtype
+    v_scale_ptr,  # fp32 scalar (SCALE_MODE 1), else unread
+    rows,  # total_q * Hq: (token, query head) rows
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program
+    SCALE_MODE: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # the partials are unscaled: the merged row takes v_scale
+    MAX_SPLITS: tl.constexpr,  # a bound of num_splits
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the attention grid first
+):
+    """The split merge of ``sparse_attn_fwd_kernel`` launched after it (``last_merges == 0``): ``BLOCK_R`` rows per
+    program, the same arithmetic as the last arrival's merge (``_merge_partials``), so the same bits.  With one
+    split at run time the attention grid stored the output itself."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the partials are the previous grid's: nothing is read before it ends
+        tl.extra.cuda.gdc_launch_dependents()
+    if num_splits > 1:
+        row_offset = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        row_mask = row_offset < rows
+        _, v_scale = scalar_scales(v_scale_ptr, v_scale_ptr, SCALE_MODE)
+        out_ptrs = out_ptr + row_offset[:, None] * D + tl.arange(0, D)[None, :]
+        _merge_partials(
+            partial_ptr, lse_ptr, out_ptrs, row_offset, row_mask, rows, num_splits, v_scale, D, FP16_DOTS, MAX_SPLITS
+        )
 
 
 def max_splits(num_splits, T) -> int:
@@ -541,6 +577,7 @@ def launch_sparse_attn(
     num_splits,
     blocks_per_split,
     block_q: int,  # consecutive query tokens per program
+    dependent_merge: bool | None = None,  # override (tests): may split decode merge in split_merge_kernel
 ) -> None:
     total_q, Hq, D = q.shape
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
@@ -556,6 +593,11 @@ def launch_sparse_attn(
     decode_tile = cu_seqlens_q is None and block_q == 1
     # Decode steps are a few microseconds: overlapping the launch with the previous kernel's tail matters.
     pdl = cu_seqlens_q is None and use_pdl(q.device)
+    # A dependent merge launch only pays where PDL hides it (and runs in the interpreter, where nothing is timed).
+    if dependent_merge is None:
+        dependent_merge = decode_tile and (pdl or platform.interpreting())
+    dependent_merge = dependent_merge and split_buffers is not None
+    last_merges = schedule.merge_plan(triton.cdiv(total_q, block_q) * Hkv) if dependent_merge else 1
     launch(
         sparse_attn_fwd_kernel,
         grid,
@@ -577,6 +619,7 @@ def launch_sparse_attn(
         T,
         num_splits,
         blocks_per_split,
+        last_merges,
         float(sm_scale) * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -612,3 +655,26 @@ def launch_sparse_attn(
             blocks_per_program=blocks_per_split if decode_tile else None,
         ),
     )
+    if dependent_merge:
+        rows = total_q * Hq
+        block_r = schedule.merge_rows(rows, q.device)
+        merge_grid = triton.cdiv(rows, block_r) * (1 - last_merges)  # 0 (no launch) where the last arrival merges
+        if isinstance(merge_grid, int) and merge_grid == 0:
+            return
+        launch(
+            split_merge_kernel,
+            (merge_grid,),
+            split_buffers[0],
+            split_buffers[1],
+            out,
+            v_scale,
+            rows,
+            num_splits,
+            D=D,
+            BLOCK_R=block_r,
+            SCALE_MODE=scale_mode,
+            FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
+            MAX_SPLITS=max_splits(num_splits, T),
+            pdl=pdl,
+            num_warps=schedule.MERGE_WARPS,
+        )

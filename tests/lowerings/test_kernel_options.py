@@ -194,7 +194,7 @@ def compiled_autotuners(prefix: str) -> list:
 def test_gpu_compiled_decode_step_launches_dependently(device):
     """On sm_90 the compiled decode step's indexer and attention kernels are programmatic dependent launches,
     like eager ones: the constexpr is on, the compiled binaries carry ``launch_pdl``, and the outputs are
-    eager's bits."""
+    eager's bits.  Two requests at two KV heads merge their splits in a dependent launch, itself PDL."""
     from tests.every_op import EveryOp, make_batch
 
     if not _launch.use_pdl(device):
@@ -205,7 +205,7 @@ def test_gpu_compiled_decode_step_launches_dependently(device):
     compiled = torch.compile(module.decode, fullgraph=True)
     with torch._inductor.utils.fresh_cache():
         got = compiled(*batch.args())
-        for prefix in ("sparse_attn_fwd_kernel", "_index_score_kernel", "_index_topk_kernel"):
+        for prefix in ("sparse_attn_fwd_kernel", "split_merge_kernel", "_index_score_kernel", "_index_topk_kernel"):
             autotuners = compiled_autotuners(prefix)
             assert autotuners, f"no compiled {prefix}"
             for autotuner in autotuners:

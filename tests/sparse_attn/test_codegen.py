@@ -80,6 +80,21 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
         assert "ld.global" not in head and "atom." not in head, head[-3000:]
         prefetches = head.count("prefetch.global.L2")  # seq_len, list, table row, q: one or more asm each
         assert prefetches >= 4 if decode_tile else prefetches == 0, head[-3000:]
+    if decode_tile:  # its dependent merge launch, at the merge's widest row tile
+        merge = union.split_merge_kernel
+        merge_constexprs = dict(D=D, BLOCK_R=schedule.MERGE_MAX_ROWS, SCALE_MODE=scale_mode,
+                                FP16_DOTS=constexprs["FP16_DOTS"], MAX_SPLITS=constexprs["MAX_SPLITS"],
+                                PDL=constexprs["PDL"])
+        merge_pointers = dict(partial_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16", v_scale_ptr="*fp32")
+        merge_names = merge.arg_names
+        merge_source = ASTSource(
+            merge, {n: "constexpr" if n in merge_constexprs else merge_pointers.get(n, "i32") for n in merge_names},
+            {(merge_names.index(k),): v for k, v in merge_constexprs.items()},
+            {(merge_names.index(n),): [["tt.divisibility", 16]] for n in merge_pointers})
+        merged = triton.compile(merge_source, target=target, options=dict(num_warps=schedule.MERGE_WARPS))
+        if merge_constexprs["PDL"]:  # the partials come from the attention grid: nothing is read before the wait
+            head = merged.asm["ptx"].split("griddepcontrol.wait")[0]
+            assert "ld.global" not in head, head[-3000:]
     print("compiled", sorted(compiled.asm), flush=True)
 
 """ + each_variant(8)

@@ -67,6 +67,54 @@ def test_decode_table_row_and_gathered_pages_agree(num_splits, device, monkeypat
     assert_close(row, sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype), torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "spec, scale, num_splits",
+    [("auto", "none", 2), ("auto", "none", 4), ("fp8", "scalar", 3), ("fp8", "per_token_head", 4), ("fp8", "none", 4)],
+)
+def test_dependent_merge_gives_the_last_arrivals_bits(spec, scale, num_splits, device, monkeypatch):
+    """Split decode merged by ``split_merge_kernel`` after the attention grid (small grids under PDL, and in the
+    interpreter) gives the bits of the last arrival's merge, with NaN rows (huge logits), a request with no key
+    and FP8 scales (the scalar v_scale on the merged row); both are the reference's on the other rows."""
+    with platform.emulate("sm_90"):
+        case = build(device, [(700, 1), (0, 1)], D=64, Hkv=2, G=4, T=4, spec=spec, scale=scale, seed=23)
+        q = case.q.clone()
+        q[0, 1] *= 1e9  # logits ~ 1e9: a NaN row
+        case = dataclasses.replace(case, q=q)
+        launched = []
+        launch = union.launch
+        monkeypatch.setattr(
+            union, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw)
+        )
+        scale_mode = 0 if scale == "none" else 1 if scale == "scalar" else 2
+        dependent = case.split_decode(num_splits, scale_mode=scale_mode, dependent_merge=True)
+        assert launched == [union.sparse_attn_fwd_kernel, union.split_merge_kernel]  # B2 x 2 KV heads: 4 tiles
+        last = case.split_decode(num_splits, scale_mode=scale_mode, dependent_merge=False)
+        assert launched[2:] == [union.sparse_attn_fwd_kernel]
+    assert torch.equal(dependent.view(torch.uint8), last.view(torch.uint8))
+    assert dependent[0, 1].isnan().all() and not dependent[0, 2:].isnan().any()
+    assert (dependent[1] == 0).all()  # no key: zeros
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    tolerance = torch.bfloat16 if spec == "auto" else None
+    if tolerance is not None:
+        assert_close(dependent[0, 2:], ref[0, 2:], tolerance)
+    else:
+        err = (dependent[0, 2:].float() - ref[0, 2:].float()).abs()
+        assert err.max() < 0.1 and err.mean() < 0.01  # FP8_ROUND_TRIP_TOLERANCE
+
+
+@pytest.mark.parametrize("tiles, merges_last", [(1, 0), (4, 0), (5, 1), (32, 1)])
+def test_dependent_merge_plan_is_a_value_of_the_grid(tiles, merges_last):
+    """``last_merges`` comes from the grid's tile count (a symbolic count gives a symbolic value, no guard): the
+    dependent merge up to ``DEPENDENT_MERGE_MAX_TILES`` tiles, whose merge grid is then nonzero, else zero."""
+    from mm3_compile.kernels.sparse_attn import schedule
+
+    assert schedule.merge_plan(tiles) == merges_last
+    shape_env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+    symbolic = shape_env.create_unbacked_symint()
+    assert isinstance(schedule.merge_plan(symbolic * 2), torch.SymInt)
+    assert not shape_env.guards
+
+
 @pytest.mark.interpreter
 def test_concurrent_decode_calls_from_threads(device):
     """Split decode calls issued from several Python threads at once (the interpreter runs each call's
