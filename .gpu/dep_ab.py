@@ -10,22 +10,25 @@ from bench import attn_probe as P
 import mm3_compile  # noqa: F401
 from mm3_compile.kernels.sparse_attn import schedule
 
-copy = P.copy_gbps()
-print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
-l2 = torch.cuda.get_device_properties(0).L2_cache_size
 SHAPES = [(1, "bf16", "TP8", 8, 1), (1, "bf16", "TP1", 64, 4), (1, "fp8", "TP8", 8, 1), (1, "fp8", "TP1", 64, 4),
           (32, "bf16", "TP8", 8, 1), (32, "fp8", "TP8", 8, 1), (32, "bf16", "TP1", 64, 4), (32, "fp8", "TP1", 64, 4)]
-inputs = {}
 
 
-def make(B, kv, tp, Hq, Hkv):
+def ceilings():
+    """(copy GB/s, L2 bytes) of this device, printed."""
+    copy = P.copy_gbps()
+    print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
+    return copy, torch.cuda.get_device_properties(0).L2_cache_size
+
+
+def make(B, kv, tp, Hq, Hkv, l2):
     case = P.bench_inputs.AttnCase("decode", tp, Hq, Hkv, 128, (1,) * B, (32768,) * B, kv)
     inp = P.bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, P.MIN_POOL_BYTES)
     tokens = P.sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
     return inp, tokens, P.naive_attention_on_sample(inp, inp.sets[0], tokens)
 
 
-def line(label, res, moved):
+def line(label, res, moved, copy):
     out = f"{label}:"
     for k, rs in res.items():
         us = sorted(r["us"] for r in rs)
@@ -34,26 +37,32 @@ def line(label, res, moved):
     print(out, flush=True)
 
 
-for B, kv, tp, Hq, Hkv in SHAPES:
-    inp, tokens, ref = make(B, kv, tp, Hq, Hkv)
-    res = {}
-    for tiles in (0, 4, 0, 4):
-        schedule.DEPENDENT_MERGE_MAX_TILES = tiles
-        res.setdefault(f"dep{tiles}", []).append(P.op_row(inp, tokens, ref, "", ""))
-    schedule.DEPENDENT_MERGE_MAX_TILES = 4
-    line(f"{tp} B{B} {kv}", res, inp.kv_bytes + inp.io_bytes)
-    del inp
-    torch.cuda.empty_cache()
-
-# compiled, dynamic shapes, traced at B1: B32 runs the same graph with a zero merge grid
-for kv in ("bf16", "fp8"):
-    torch._dynamo.reset()
-    compiled = torch.compile(P.plain_decode, dynamic=True, fullgraph=True)
-    for B in (1, 32):
-        inp, tokens, ref = make(B, kv, "TP8", 8, 1)
-        torch._dynamo.mark_dynamic(inp.sets[0]["q"], 0)
-        with mm3_compile.dynamic_shapes():
-            r = [P.op_row(inp, tokens, ref, "", "", op=compiled) for _ in range(2)]
-        line(f"compiled(traced B1) TP8 B{B} {kv}", {"dep4": r}, inp.kv_bytes + inp.io_bytes)
+def main():
+    copy, l2 = ceilings()
+    for B, kv, tp, Hq, Hkv in SHAPES:
+        inp, tokens, ref = make(B, kv, tp, Hq, Hkv, l2)
+        res = {}
+        for tiles in (0, 4, 0, 4):
+            schedule.DEPENDENT_MERGE_MAX_TILES = tiles
+            res.setdefault(f"dep{tiles}", []).append(P.op_row(inp, tokens, ref, "", ""))
+        schedule.DEPENDENT_MERGE_MAX_TILES = 4
+        line(f"{tp} B{B} {kv}", res, inp.kv_bytes + inp.io_bytes, copy)
         del inp
         torch.cuda.empty_cache()
+
+    # compiled, dynamic shapes, traced at B1: B32 runs the same graph with a zero merge grid
+    for kv in ("bf16", "fp8"):
+        torch._dynamo.reset()
+        compiled = torch.compile(P.plain_decode, dynamic=True, fullgraph=True)
+        for B in (1, 32):
+            inp, tokens, ref = make(B, kv, "TP8", 8, 1, l2)
+            torch._dynamo.mark_dynamic(inp.sets[0]["q"], 0)
+            with mm3_compile.dynamic_shapes():
+                r = [P.op_row(inp, tokens, ref, "", "", op=compiled) for _ in range(2)]
+            line(f"compiled(traced B1) TP8 B{B} {kv}", {"dep4": r}, inp.kv_bytes + inp.io_bytes, copy)
+            del inp
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,51 +1,22 @@
-"""Session 38: the dependent merge launch (schedule.DEPENDENT_MERGE_MAX_TILES 4) against the last arrival's merge
-(the constant at 0: the same binaries, last_merges = 1, no merge launch), decode bench shapes, graph replay over sets
-rotated past the L2 (bench/attn_probe.op_row: error against float64 on sampled tokens, graph output == eager),
-interleaved; then the op compiled with dynamic shapes, traced at B1, run at B1 and B32 (symbolic merge grid).
-Run: python3 .gpu/dep_ab.py"""
+"""Session 38: the workspace op compiled with dynamic shapes, traced at B1, run at TP8 B1 and B32, with the dependent
+merge off (schedule.DEPENDENT_MERGE_MAX_TILES 0) and on (4), interleaved (inputs and rows as .gpu/dep_ab.py).
+Run: python3 .gpu/dep_c.py"""
 import os, sys
-sys.path.insert(0, os.getcwd())
-import torch
-from bench import attn_probe as P
-import mm3_compile  # noqa: F401
-from mm3_compile.kernels.sparse_attn import schedule
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dep_ab import P, ceilings, line, make, mm3_compile, schedule, torch  # noqa: E402
+import mm3_compile.ops  # noqa: E402
 
-copy = P.copy_gbps()
-print(torch.cuda.get_device_name(), f"copy {copy:.0f} GB/s", flush=True)
-l2 = torch.cuda.get_device_properties(0).L2_cache_size
-SHAPES = [(1, "bf16", "TP8", 8, 1), (1, "bf16", "TP1", 64, 4), (1, "fp8", "TP8", 8, 1), (1, "fp8", "TP1", 64, 4),
-          (32, "bf16", "TP8", 8, 1), (32, "fp8", "TP8", 8, 1), (32, "bf16", "TP1", 64, 4), (32, "fp8", "TP1", 64, 4)]
-inputs = {}
-
-
-def make(B, kv, tp, Hq, Hkv):
-    case = P.bench_inputs.AttnCase("decode", tp, Hq, Hkv, 128, (1,) * B, (32768,) * B, kv)
-    inp = P.bench_inputs.make_attn_inputs(case, torch.device("cuda"), l2, P.MIN_POOL_BYTES)
-    tokens = P.sample_tokens(inp.pos.shape[0], 8, gen_seed=len(case.key))
-    return inp, tokens, P.naive_attention_on_sample(inp, inp.sets[0], tokens)
-
-
-def line(label, res, moved):
-    out = f"{label}:"
-    for k, rs in res.items():
-        us = sorted(r["us"] for r in rs)
-        out += (f"  {k} {'/'.join(f'{u:.2f}' for u in us)} us ({100 * moved / (us[0] * 1e-6) / 1e9 / copy:.1f}%) "
-                f"ok {all(r['ok'] for r in rs)} mean {rs[0]['mean_err']:.2e}")
-    print(out, flush=True)
-
-
-import mm3_compile.ops
+copy, l2 = ceilings()
 ws = mm3_compile.ops.decode_workspace("cuda")
-for kv in ("bf16",):
-    for tiles in (0, 4, 0, 4):
-        schedule.DEPENDENT_MERGE_MAX_TILES = tiles
-        torch._dynamo.reset()
-        compiled = torch.compile(P.workspace_decode(ws), dynamic=True, fullgraph=True)
-        for B in (1, 32):
-            inp, tokens, ref = make(B, kv, "TP8", 8, 1)
-            torch._dynamo.mark_dynamic(inp.sets[0]["q"], 0)
-            with mm3_compile.dynamic_shapes():
-                r = [P.op_row(inp, tokens, ref, "", "", op=compiled)]
-            line(f"workspace compiled(traced B1) dep{tiles} TP8 B{B} {kv}", {"c": r}, inp.kv_bytes + inp.io_bytes)
-            del inp
-            torch.cuda.empty_cache()
+for tiles in (0, 4, 0, 4):
+    schedule.DEPENDENT_MERGE_MAX_TILES = tiles
+    torch._dynamo.reset()
+    compiled = torch.compile(P.workspace_decode(ws), dynamic=True, fullgraph=True)
+    for B in (1, 32):
+        inp, tokens, ref = make(B, "bf16", "TP8", 8, 1, l2)
+        torch._dynamo.mark_dynamic(inp.sets[0]["q"], 0)
+        with mm3_compile.dynamic_shapes():
+            r = [P.op_row(inp, tokens, ref, "", "", op=compiled)]
+        line(f"workspace compiled(traced B1) dep{tiles} TP8 B{B} bf16", {"c": r}, inp.kv_bytes + inp.io_bytes, copy)
+        del inp
+        torch.cuda.empty_cache()
