@@ -577,7 +577,7 @@ def launch_sparse_attn(
     num_splits,
     blocks_per_split,
     block_q: int,  # consecutive query tokens per program
-    dependent_merge: bool | None = None,  # override (tests): may split decode merge in split_merge_kernel
+    dependent_merge: bool | None = None,  # override (tests): whether split decode may merge in split_merge_kernel
 ) -> None:
     total_q, Hq, D = q.shape
     num_blocks, Hkv = kv_cache.shape[0], kv_cache.shape[1]
@@ -598,6 +598,8 @@ def launch_sparse_attn(
         dependent_merge = decode_tile and (pdl or platform.interpreting())
     dependent_merge = dependent_merge and split_buffers is not None
     last_merges = schedule.merge_plan(triton.cdiv(total_q, block_q) * Hkv) if dependent_merge else 1
+    fp16_dots = schedule.fp16_dots(fmt, scale_mode)
+    merge_bound = max_splits(num_splits, T) if split_buffers is not None else 1
     launch(
         sparse_attn_fwd_kernel,
         grid,
@@ -641,8 +643,8 @@ def launch_sparse_attn(
         VARLEN=cu_seqlens_q is not None,
         SPLIT=split_buffers is not None,
         SCALE_MODE=scale_mode,
-        FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
-        MAX_SPLITS=max_splits(num_splits, T) if split_buffers is not None else 1,
+        FP16_DOTS=fp16_dots,
+        MAX_SPLITS=merge_bound,
         TABLE_ROW=table_row(block_table.shape[1], decode_tile),
         **fp8.constexprs(),
         pdl=pdl,
@@ -673,8 +675,8 @@ def launch_sparse_attn(
             D=D,
             BLOCK_R=block_r,
             SCALE_MODE=scale_mode,
-            FP16_DOTS=schedule.fp16_dots(fmt, scale_mode),
-            MAX_SPLITS=max_splits(num_splits, T),
+            FP16_DOTS=fp16_dots,
+            MAX_SPLITS=merge_bound,
             pdl=pdl,
             num_warps=schedule.MERGE_WARPS,
         )
