@@ -43,7 +43,7 @@ from mm3_compile.kernels.sparse_attn.union import launch_sparse_attn
 from mm3_compile.platform import FP8Format, interpreting
 
 # Programs per SM the split-K grid aims for.  One-token bf16 decode: one wave, which the launcher
-# runs with 3 pipeline stages (schedule.launch_options).  FP8 and multi-token tiles: two per SM,
+# runs with 4 warps in 3 pipeline stages (schedule.launch_options).  FP8 and multi-token tiles: two per SM,
 # enough programs in flight to hide the dependent top-k -> block-table -> page loads (timings:
 # bench/NOTES.md).
 BF16_PROGRAMS_PER_SM = 1

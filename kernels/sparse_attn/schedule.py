@@ -99,19 +99,18 @@ def launch_options(
 
     Returns:
         Keyword options of the launch. sm_90, a one-token decode grid of at most one program per SM
-        (one wave): 8 warps; 3 stages for bf16 KV (two blocks in flight behind the one it computes), 2
-        for FP8 KV (its program issues twice a bf16 one's instructions per warp, so the wave is bound by
-        instruction latency on too few warps). Larger decode grids: bf16 8 warps (16 rows; 4 warps
-        spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room for two 3-stage
-        programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps for 128-row
-        tiles, 4 for tiles of <= 64 rows, 2 stages.
+        (one wave): 4 warps; 3 stages for bf16 KV (two blocks in flight behind the one it computes), for FP8
+        KV 1 where a program walks one block (nothing to pipeline), else 2. Larger decode grids: bf16
+        8 warps (16 rows; 4 warps spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room
+        for two 3-stage programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps
+        for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256)
         {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 3}
-        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64)
-        {'DOT_FP32': False, 'num_warps': 8, 'num_stages': 2}
+        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64, blocks_per_program=1)
+        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 1}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256, blocks_per_program=2)
         {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 2}
     """
@@ -120,14 +119,18 @@ def launch_options(
     if vendor == "amd":
         return dict(DOT_FP32=False, num_warps=4, num_stages=1)
     one_wave = decode_programs is not None and decode_programs <= sm_count
+    # One wave, 8 -> 4 warps (H100, graph replay, s32768): bf16 (3 stages) TP1 B1 7.06 -> 6.43 us, TP8 B8 9.12 ->
+    # 8.41, TP8 B32 16.74 -> 16.29; FP8 (2 -> 1 stage) TP1 B1 6.94 -> 6.67, TP8 B8 8.31 -> 7.61; TP1 B2 FP8 8.72 ->
+    # 8.90 the one loss (bench/NOTES.md, session 40).
     if fp8_decode:
-        # H200, TP1 / TP8 B1 s32768 (graph replay): 4 warps 3 stages 8.77 / 6.73 us, 8 warps 2 stages 7.62 / 6.31
-        # us; at B32 (256 programs) 8 warps took 17.3 us against 13.0 (bench/NOTES.md, session 24). Programs of at
-        # most 2 blocks: 2 stages (H100, TP8 B32, 8 splits of 2 blocks: 14.48 -> 13.15 us; TP1 B32's 2 splits of 8
-        # blocks keep 3: 32.88 us against 33.73; bench/NOTES.md, session 34)
+        # Larger grids: 8 warps took a 32-token step 17.3 us against 13.0 (H200, bench/NOTES.md, session 24).
+        # Programs of at most 2 blocks: 2 stages (H100, TP8 B32, 8 splits of 2 blocks: 14.48 -> 13.15 us; TP1
+        # B32's 2 splits of 8 blocks keep 3: 32.88 us against 33.73; bench/NOTES.md, session 34)
+        if one_wave:  # programs of one block have nothing to pipeline
+            return dict(DOT_FP32=False, num_warps=4, num_stages=1 if blocks_per_program == 1 else 2)
         short = blocks_per_program is not None and blocks_per_program <= 2
-        return dict(DOT_FP32=False, num_warps=8 if one_wave else 4, num_stages=2 if one_wave or short else 3)
-    num_warps = 4 if prefill and block_m <= 64 else 8
+        return dict(DOT_FP32=False, num_warps=4, num_stages=2 if short else 3)
+    num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
 
@@ -141,10 +144,11 @@ def kernel_options(
 ) -> dict:
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
-    A symbolic one-token bf16 decode grid takes its trace's hint (only the stage count follows it); a symbolic
-    FP8 one gets the multi-wave options (3 stages: a symbolic split's block count counts as unknown): the one-wave
-    8 warps cost a 32-token FP8 step a third more (bench/NOTES.md, session 24), and a graph traced at one request
-    runs every batch.
+    A symbolic one-token bf16 decode grid takes its trace's hint (warps and stages follow it: a graph traced at one
+    request runs 128 in 4 warps and 3 stages, TP1 B128 180.4 us against 177.5 for the multi-wave options, TP8
+    B128 47.8 against 47.8; H100, bench/NOTES.md, session 40); a symbolic FP8 one gets the multi-wave options (3
+    stages: a symbolic split's block count counts as unknown; one-wave options cost a 32-token FP8 step 4%:
+    TP1 B32 33.8 us in 2 stages against 32.6), since a graph traced at one request runs every batch.
     """
     if isinstance(decode_programs, torch.SymInt):
         decode_programs = None if fp8_decode else size_hint(decode_programs)

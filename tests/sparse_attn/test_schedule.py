@@ -106,9 +106,9 @@ def test_split_plan_fills_the_target_grid():
 
 
 def test_one_token_decode_options_follow_the_wave(monkeypatch):
-    """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 3 stages while the
-    grid fits one wave; FP8 decode aims at two programs per SM and runs 8 warps in 2 stages while its grid
-    fits one wave (B1), 4 warps in 3 stages above."""
+    """H200 rule (132 SMs): bf16 one-token decode splits to one program per SM and runs 4 warps in 3 stages
+    while the grid fits one wave, 8 warps in 2 above; FP8 decode aims at two programs per SM and runs 4 warps
+    in 1 stage while its grid fits one wave of one-block programs (B1), in 3 stages above."""
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(platform, "interpreting", lambda: False)
     monkeypatch.setattr(decode_kernels, "interpreting", lambda: False)
@@ -126,7 +126,11 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert options(decode_programs=133)["num_stages"] == 2
     assert options(decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
     assert decode_kernels.split_plan(1, 4, 16, cuda, fp8) == (16, 1)  # TP1 B1: 64 programs, one wave
-    assert options(fp8_decode=True, decode_programs=64) == dict(DOT_FP32=False, num_warps=8, num_stages=2)
+    one_block = dict(fp8_decode=True, decode_programs=64, blocks_per_program=1)
+    assert options(**one_block) == dict(DOT_FP32=False, num_warps=4, num_stages=1)
+    assert options(fp8_decode=True, decode_programs=64) == dict(DOT_FP32=False, num_warps=4, num_stages=2)
+    assert options(decode_programs=64)["num_warps"] == 4  # bf16, one wave
+    assert options(decode_programs=133)["num_warps"] == 8
     assert options(fp8_decode=True, decode_programs=256) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
     assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
     # a symbolic grid (a trace at one request runs every batch): bf16 follows the hint, FP8 takes the multi-wave options
