@@ -145,8 +145,8 @@ def kernel_options(
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
     A symbolic one-token bf16 decode grid takes its trace's hint (warps and stages follow it: a graph traced at one
-    request runs 128 in 4 warps and 3 stages, TP1 B128 180.4 us against 177.5 for the multi-wave options, TP8
-    B128 47.8 against 47.8; H100, bench/NOTES.md, session 40); a symbolic FP8 one gets the multi-wave options (3
+    request runs 128 in 4 warps and 3 stages: forced in eager, TP1 B128 180.4 us against 177.5 for the multi-wave
+    options, TP8 B128 47.8 against 47.8; H100, bench/NOTES.md, session 40); a symbolic FP8 one gets the multi-wave options (3
     stages: a symbolic split's block count counts as unknown; one-wave options cost a 32-token FP8 step 4%:
     TP1 B32 33.8 us in 2 stages against 32.6), since a graph traced at one request runs every batch.
     """
