@@ -28,6 +28,17 @@ def make(B, kv, tp, Hq, Hkv, l2):
     return inp, tokens, P.naive_attention_on_sample(inp, inp.sets[0], tokens)
 
 
+def force_options(warps_stages, base=schedule.kernel_options):
+    """Make schedule.kernel_options give decode launches (warps, stages), or its own options for None."""
+    def patched(*a, **k):
+        o = base(*a, **k)
+        if warps_stages is not None and not k.get("prefill"):
+            o.update(num_warps=warps_stages[0], num_stages=warps_stages[1])
+        return o
+
+    schedule.kernel_options = patched
+
+
 def line(label, res, moved, copy):
     out = f"{label}:"
     for k, rs in res.items():

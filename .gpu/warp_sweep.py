@@ -3,11 +3,9 @@ B32, TP1 and TP8, bf16 and FP8 (bench/attn_probe.op_row: graph replay over sets 
 float64-checked, graph == eager), the plan's own options first and last. Run: python3 .gpu/warp_sweep.py [B ...]"""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dep_ab import P, ceilings, line, make, torch  # noqa: E402
-from mm3_compile.kernels.sparse_attn import schedule  # noqa: E402
+from dep_ab import P, ceilings, force_options, line, make, torch  # noqa: E402
 
 copy, l2 = ceilings()
-opts = schedule.kernel_options
 batches = [int(b) for b in sys.argv[1:]] or [1, 32]
 VARIANTS = [None, (4, 2), (4, 3), (4, 1), (2, 2), (8, 2), None]
 for B in batches:
@@ -16,16 +14,10 @@ for B in batches:
             inp, tokens, ref = make(B, kv, tp, Hq, Hkv, l2)
             res = {}
             for wo in VARIANTS:
-                def patched(*a, wo=wo, **k):
-                    o = opts(*a, **k)
-                    if wo is not None and not k.get("prefill"):
-                        o.update(num_warps=wo[0], num_stages=wo[1])
-                    return o
-
-                schedule.kernel_options = patched
+                force_options(wo)
                 res.setdefault("plan" if wo is None else f"w{wo[0]}s{wo[1]}", []).append(
                     P.op_row(inp, tokens, ref, "", ""))
-            schedule.kernel_options = opts
+            force_options(None)
             line(f"{tp} B{B} {kv}", res, inp.kv_bytes + inp.io_bytes, copy)
             del inp
             torch.cuda.empty_cache()

@@ -4,11 +4,9 @@ against the plan's (bf16 8 warps 3 stages, FP8 8 warps 2 stages): bf16 4 warps 3
 Run: python3 .gpu/wave_ab.py"""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dep_ab import P, ceilings, line, make, torch  # noqa: E402
-from mm3_compile.kernels.sparse_attn import schedule  # noqa: E402
+from dep_ab import P, ceilings, force_options, line, make, torch  # noqa: E402
 
 copy, l2 = ceilings()
-opts = schedule.kernel_options
 CASES = [(8, "bf16", "TP8", 8, 1), (16, "bf16", "TP8", 8, 1), (4, "bf16", "TP1", 64, 4), (8, "bf16", "TP1", 64, 4),
          (2, "bf16", "TP1", 64, 4), (8, "fp8", "TP8", 8, 1), (2, "fp8", "TP1", 64, 4), (4, "fp8", "TP8", 8, 1)]
 for B, kv, tp, Hq, Hkv in CASES:
@@ -16,15 +14,9 @@ for B, kv, tp, Hq, Hkv in CASES:
     inp, tokens, ref = make(B, kv, tp, Hq, Hkv, l2)
     res = {}
     for wo in variants:
-        def patched(*a, wo=wo, **k):
-            o = opts(*a, **k)
-            if wo is not None and not k.get("prefill"):
-                o.update(num_warps=wo[0], num_stages=wo[1])
-            return o
-
-        schedule.kernel_options = patched
+        force_options(wo)
         res.setdefault("plan" if wo is None else f"w{wo[0]}s{wo[1]}", []).append(P.op_row(inp, tokens, ref, "", ""))
-    schedule.kernel_options = opts
+    force_options(None)
     line(f"{tp} B{B} {kv}", res, inp.kv_bytes + inp.io_bytes, copy)
     del inp
     torch.cuda.empty_cache()

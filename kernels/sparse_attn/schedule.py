@@ -127,9 +127,10 @@ def launch_options(
         # Programs of at most 2 blocks: 2 stages (H100, TP8 B32, 8 splits of 2 blocks: 14.48 -> 13.15 us; TP1
         # B32's 2 splits of 8 blocks keep 3: 32.88 us against 33.73; bench/NOTES.md, session 34)
         if one_wave:  # programs of one block have nothing to pipeline
-            return dict(DOT_FP32=False, num_warps=4, num_stages=1 if blocks_per_program == 1 else 2)
-        short = blocks_per_program is not None and blocks_per_program <= 2
-        return dict(DOT_FP32=False, num_warps=4, num_stages=2 if short else 3)
+            stages = 1 if blocks_per_program == 1 else 2
+        else:
+            stages = 2 if blocks_per_program is not None and blocks_per_program <= 2 else 3
+        return dict(DOT_FP32=False, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
     return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
@@ -144,11 +145,11 @@ def kernel_options(
 ) -> dict:
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
-    A symbolic one-token bf16 decode grid takes its trace's hint (warps and stages follow it: a graph traced at one
-    request runs 128 in 4 warps and 3 stages: forced in eager, TP1 B128 180.4 us against 177.5 for the multi-wave
-    options, TP8 B128 47.8 against 47.8; H100, bench/NOTES.md, session 40); a symbolic FP8 one gets the multi-wave options (3
-    stages: a symbolic split's block count counts as unknown; one-wave options cost a 32-token FP8 step 4%:
-    TP1 B32 33.8 us in 2 stages against 32.6), since a graph traced at one request runs every batch.
+    A graph traced at one request runs every batch. A symbolic one-token bf16 decode grid takes its trace's hint
+    (warps and stages follow it): traced at B1 it runs B128 in 4 warps and 3 stages (forced in eager on the H100:
+    TP1 B128 180.4 us against 177.5 for the multi-wave options, TP8 B128 47.8 against 47.8; bench/NOTES.md,
+    session 40). A symbolic FP8 grid gets the multi-wave options (3 stages: a symbolic split's block count counts
+    as unknown); the one-wave options cost a 32-token FP8 step 4% (TP1 B32 33.8 us in 2 stages against 32.6).
     """
     if isinstance(decode_programs, torch.SymInt):
         decode_programs = None if fp8_decode else size_hint(decode_programs)
