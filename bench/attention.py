@@ -134,8 +134,8 @@ class Decode(_Family):
                 s["block_table"],
                 inp.seq_lens,
                 self.workspace,
-                inp.k_scale,
-                inp.v_scale,
+                s["k_scale"],
+                s["v_scale"],
                 inp.sm_scale,
                 inp.case.kv_cache_dtype,
             )
@@ -186,8 +186,8 @@ class Prefill(_Family):
                 s["block_table"],
                 inp.cu_seqlens_q,
                 inp.seq_lens,
-                inp.k_scale,
-                inp.v_scale,
+                s["k_scale"],
+                s["v_scale"],
                 inp.sm_scale,
                 inp.case.kv_cache_dtype,
             )

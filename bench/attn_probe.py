@@ -52,7 +52,7 @@ def copy_gbps() -> float:
 
 def decode_call(inp, s, op=None):
     """One decode call on rotated set ``s``: the plain op, or ``op`` (a compiled one) with the same arguments."""
-    args = (s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, inp.k_scale, inp.v_scale)
+    args = (s["q"], inp.cache, s["topk_idx"], s["block_table"], inp.seq_lens, s["k_scale"], s["v_scale"])
     return (op or plain_decode)(*args, inp.sm_scale, inp.case.kv_cache_dtype)
 
 
@@ -562,8 +562,8 @@ def prefill_rows(variants: bool) -> list[dict]:
             inp.seq_lens,
             inp.sm_scale,
             inp.case.kv_cache_dtype,
-            inp.k_scale,
-            inp.v_scale,
+            s["k_scale"],
+            s["v_scale"],
         )
 
     tokens = sample_tokens(inp.pos.shape[0], 16, gen_seed=len(case.key))

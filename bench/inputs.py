@@ -157,13 +157,13 @@ class AttnInputs:
     case: AttnCase
     cache: torch.Tensor  # [pool, Hkv, 128, 2D]: bf16, or uint8 bytes of the platform's FP8 KV dtype
     storage_dtype: torch.dtype
-    k_scale: torch.Tensor | None  # [1] float32 for FP8
+    k_scale: torch.Tensor | None  # [1] float32 for FP8 (the references'; each set holds its own copy)
     v_scale: torch.Tensor | None
     seq_lens: torch.Tensor  # [B] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     req: torch.Tensor  # [T] int64
     pos: torch.Tensor  # [T] int64
-    sets: list[dict]  # per rotated set: q [T, Hq, D], topk_idx [Hkv, T, topk], block_table [B, nblk]
+    sets: list[dict]  # per rotated set: q [T, Hq, D], topk_idx [Hkv, T, topk], block_table [B, nblk], k/v_scale
     sm_scale: float
     flops: int  # the same for every set: the own block is always first, older blocks are full pages
     kv_bytes: int
@@ -202,11 +202,21 @@ def make_attn_inputs(case: AttnCase, device, l2_bytes: int, min_pool_bytes: int,
     T = pos.shape[0]
     tok_seq = seq_lens.long()[req]
 
+    scale = torch.tensor([FP8_KV_SCALE], dtype=torch.float32, device=device) if case.kv == "fp8" else None
+
     def one_set():
         q = torch.randn((T, case.Hq, case.D), dtype=torch.bfloat16, device=device, generator=gen)
         topk_idx = synth_topk(pos, case.Hkv, case.topk, gen, share)
         pages = torch.randperm(pool, device=device, generator=gen)[: B * max_blocks]
-        return {"q": q, "topk_idx": topk_idx, "block_table": pages.view(B, max_blocks).to(torch.int32)}
+        # each set its own scale tensors (same values): a layer's scales are cold like its cache, not L2-resident
+        scales = (None, None) if scale is None else (scale.clone(), scale.clone())
+        return {
+            "q": q,
+            "topk_idx": topk_idx,
+            "block_table": pages.view(B, max_blocks).to(torch.int32),
+            "k_scale": scales[0],
+            "v_scale": scales[1],
+        }
 
     first = one_set()
     keys = int(attended_keys(first["topk_idx"], pos, tok_seq).sum().item())  # over (KV head, token)
@@ -217,7 +227,6 @@ def make_attn_inputs(case: AttnCase, device, l2_bytes: int, min_pool_bytes: int,
     touched = kv_bytes + io_bytes
     n_sets = 1 if device.type != "cuda" else max(1, min(MAX_SETS, math.ceil(4 * l2_bytes / max(touched, 1))))
     sets = [first] + [one_set() for _ in range(n_sets - 1)]
-    scale = torch.tensor([FP8_KV_SCALE], dtype=torch.float32, device=device) if case.kv == "fp8" else None
     return AttnInputs(
         case,
         cache,

@@ -128,19 +128,19 @@ def chunk_tokens(case, device) -> int:
 def sparse_attn_torch(attend, inp, s: dict, chunk: int) -> torch.Tensor:
     """Vectorised PyTorch block-sparse attention; ``attend`` is ``_attend_chunk`` eager or compiled."""
     cache = inp.cache
-    q, ids, table = s["q"], s["topk_idx"], s["block_table"]
+    q, ids, table, k_scale, v_scale = s["q"], s["topk_idx"], s["block_table"], s["k_scale"], s["v_scale"]
     tok_seq = inp.seq_lens.long()[inp.req]
     T = q.shape[0]
     if T <= chunk:
         return attend(
-            q, cache, inp.k_scale, inp.v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale, inp.storage_dtype
+            q, cache, k_scale, v_scale, ids, table, inp.req, inp.pos, tok_seq, inp.sm_scale, inp.storage_dtype
         )
     outs = [
         attend(
             q[a : a + chunk],
             cache,
-            inp.k_scale,
-            inp.v_scale,
+            k_scale,
+            v_scale,
             ids[:, a : a + chunk],
             table,
             inp.req[a : a + chunk],
