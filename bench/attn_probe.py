@@ -346,14 +346,21 @@ def merge_floor_call(inp, merge: int, parts: int):
     return call, partial, lse, out, counters
 
 
+def graph_calls(sets) -> int:
+    """Calls captured per graph: every rotated set at least once (they add up to ~4x the L2; 32 calls of a small
+    step would replay an L2-resident subset), and at least ``CALLS_PER_GRAPH``."""
+    return max(CALLS_PER_GRAPH, len(sets))
+
+
 def replay_us(call, sets) -> tuple[float, list]:
     """Per-call time of graph replays of ``call`` over rotated ``sets`` (median of windows), and the outputs."""
     for s in sets[:2]:  # warm-up (and compile) outside the capture
         call(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    calls = graph_calls(sets)
     with torch.cuda.graph(graph):
-        outs = [call(sets[i % len(sets)]) for i in range(CALLS_PER_GRAPH)]
+        outs = [call(sets[i % len(sets)]) for i in range(calls)]
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -364,14 +371,14 @@ def replay_us(call, sets) -> tuple[float, list]:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS_PER_GRAPH))
+        times.append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
     del graph
     return sorted(times)[len(times) // 2], outs
 
 
 def graph_time_us(inp, op=None) -> tuple[float, bool]:
     """Per-call time of graph replays, and whether the graph's output equals eager's."""
-    eager = decode_call(inp, inp.sets[(CALLS_PER_GRAPH - 1) % len(inp.sets)])
+    eager = decode_call(inp, inp.sets[(graph_calls(inp.sets) - 1) % len(inp.sets)])
     us, outs = replay_us(lambda s: decode_call(inp, s, op), inp.sets)
     return us, torch.equal(outs[-1], eager)
 
