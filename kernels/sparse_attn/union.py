@@ -125,7 +125,7 @@ def sparse_attn_fwd_kernel(
         # launch may start its own launch as soon as every program is here.
         if ROW_PAGES:
             # from program ids and sizes only, every address clamped inside its tensor: what token_slots and
-            # the q load read first (seq_len, the list, the table row, the KV head's q rows)
+            # the q load read first (seq_len, the list, the table row, the KV head's q rows; FP8 scalar scales)
             p_token = tl.program_id(0) // num_splits
             p_req = p_token // q_per_req
             p_slots = tl.minimum(tl.arange(0, BLOCK_T), T - 1)
@@ -141,6 +141,9 @@ def sparse_attn_fwd_kernel(
             )
             prefetch_l2(block_table_ptr + p_req.to(tl.int64) * stride_btr + p_entries.to(tl.int64) * stride_btb)
             prefetch_l2(q_ptr + p_token.to(tl.int64) * stride_qt + p_heads[:, None] * stride_qh + p_halves[None, :])
+            if SCALE_MODE == 1:  # a layer's scalar FP8 scales are as cold as its cache
+                prefetch_l2(k_scale_ptr)
+                prefetch_l2(v_scale_ptr)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
