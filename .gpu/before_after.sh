@@ -1,6 +1,7 @@
 # Session 41: the decode bench of the tree before issue 26's work (67a12ab^, .gpu/before: run uninstalled, first, on a
 # fresh machine so no editable install of this tree can shadow it) and of this tree, one call, one card.
-# Usage: bash .gpu/before_after.sh BEFORE_BUDGET_S AFTER_BUDGET_S
+# Prepare here (the tree is git-ignored): rm -rf .gpu/before && mkdir -p .gpu/before && git archive 67a12ab^ | tar -x -C .gpu/before
+# Usage (carry .gpu and .whl): bash .gpu/before_after.sh BEFORE_BUDGET_S AFTER_BUDGET_S
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCHINDUCTOR_FX_GRAPH_CACHE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 nvidia-smi --query-gpu=name --format=csv,noheader
