@@ -44,9 +44,8 @@ def merge_plan(tiles):
     stores, CTA barrier, GPU-scope fence and atomic, then one SM reading all of its tile's partials from the L2.
     A dependent launch trades both for the grid boundary and a merge spread over many programs (H100, graph
     replay, B1 s32768: TP1 7.72 -> 6.99 us bf16, 7.33 -> 6.94 FP8; TP8, on L2-warm pages, 6.06 -> 5.58, 5.77 ->
-    5.52). With many
-    tiles the last arrivals' merges overlap other tiles' pages and the boundary is pure cost (forced at TP8 B32:
-    16.95 -> 18.21 us bf16, 13.16 -> 14.67 FP8): bench/NOTES.md, session 38.
+    5.52). With many tiles the last arrivals' merges overlap other tiles' pages and the boundary is pure cost
+    (forced at TP8 B32: 16.95 -> 18.21 us bf16, 13.16 -> 14.67 FP8): bench/NOTES.md, sessions 38 and 41.
 
     Examples:
         >>> merge_plan(4), merge_plan(5), merge_plan(128)
