@@ -12,7 +12,8 @@ kernel's metadata carries it, so Inductor launches it through Triton's launcher 
 launch attributes). Its ``gdc_wait`` is non-pure inline assembly, which Inductor's TTIR analysis of the
 tensors a user kernel writes cannot see through: it would take every input as written (cudagraph trees then
 skip a decode step's graph for "mutated inputs"). The grid-dependency instructions touch no memory, so our
-kernels are analysed as compiled with ``PDL`` off (:func:`_analysed_without_pdl`).
+kernels are analysed as compiled with ``PDL`` off (:func:`_analysed_without_opaque_asm`). So is the attention
+kernels' ``CONVERT_V_FIRST`` (a register move kept non-pure so Triton does not reorder it: ``jit.load_block``).
 
 Inductor also compiles kernels in worker processes (``compile_threads > 1``), whose job is a pickled reference
 to ``async_compile._load_triton_kernel_from_source``. That name is pointed at :func:`load_triton_kernel`, so a
@@ -32,6 +33,8 @@ log = logging.getLogger("mm3_compile")
 
 CAP_CONSTEXPR = "MAXNREG"  # the constexpr a kernel declares to carry its register cap (0: none)
 PDL_CONSTEXPR = "PDL"  # the constexpr a kernel declares to be launched as a programmatic dependent launch
+# constexprs whose builds add non-pure inline assembly that reads and writes no memory: analysed as off
+OPAQUE_ASM_CONSTEXPRS = (PDL_CONSTEXPR, "CONVERT_V_FIRST")
 
 
 def _with_register_cap(create_options):
@@ -55,17 +58,17 @@ def _ours(kernel) -> bool:
     return getattr(fn, "__module__", "").startswith("mm3_compile.")
 
 
-def _analysed_without_pdl(generate_ttir):
-    """``generate_ttir`` for Inductor's analysis of what a user kernel reads and writes: an mm3 kernel
-    launched with ``PDL`` is analysed as its ``PDL=False`` build, whose memory accesses are the same."""
+def _analysed_without_opaque_asm(generate_ttir):
+    """``generate_ttir`` for Inductor's analysis of what a user kernel reads and writes: an mm3 kernel is
+    analysed as its build with the ``OPAQUE_ASM_CONSTEXPRS`` off, whose memory accesses are the same."""
 
     @functools.wraps(generate_ttir)
     def generate(kernel, kwargs, *args, **kw):
-        if kwargs.get(PDL_CONSTEXPR) and _ours(kernel):
-            kwargs = {**kwargs, PDL_CONSTEXPR: False}
+        if _ours(kernel):
+            kwargs = {**kwargs, **{name: False for name in OPAQUE_ASM_CONSTEXPRS if kwargs.get(name)}}
         return generate_ttir(kernel, kwargs, *args, **kw)
 
-    generate.mm3_without_pdl = True
+    generate.mm3_without_opaque_asm = True
     return generate
 
 
@@ -85,6 +88,6 @@ def install() -> None:
         return
     if not getattr(autotuner._create_compile_options, "mm3_register_cap", False):
         autotuner._create_compile_options = _with_register_cap(autotuner._create_compile_options)
-    if not getattr(triton_kernel_wrap.generate_ttir, "mm3_without_pdl", False):
-        triton_kernel_wrap.generate_ttir = _analysed_without_pdl(triton_kernel_wrap.generate_ttir)
+    if not getattr(triton_kernel_wrap.generate_ttir, "mm3_without_opaque_asm", False):
+        triton_kernel_wrap.generate_ttir = _analysed_without_opaque_asm(triton_kernel_wrap.generate_ttir)
     async_compile._load_triton_kernel_from_source = load_triton_kernel

@@ -112,6 +112,7 @@ def load_block(
     FP16_DOTS: tl.constexpr,
     FP8: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
+    CONVERT_V_FIRST: tl.constexpr,  # NVIDIA: an FP8 V tile is converted before its transpose (below)
 ):
     """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
     loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
@@ -148,6 +149,13 @@ def load_block(
         tile_scale_mode,
         DOT_FP32,
     )  # [128, D]
+    if FP8 != 0 and CONVERT_V_FIRST:
+        # V feeds the PV dot as its [keys, D] operand, which the tensor cores want key-pairs of: Triton moves
+        # the tile through shared memory transposed, and left alone it moves the conversion after that
+        # transpose, which an 8-bit tile then takes byte by byte (sm_90, 4 warps: 128 LDS.U8 per thread).  An
+        # opaque move (a non-pure asm is not moved) keeps the conversion first, so the 16-bit tile takes the
+        # ldmatrix transpose as bf16 V does.
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
     return k, v
 
 
@@ -214,6 +222,7 @@ def attend_block(
     FP16_DOTS: tl.constexpr,
     FP8: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
+    CONVERT_V_FIRST: tl.constexpr,
 ):
     """One 128-key block: load it, then the online-softmax update (see ``load_block``, ``attend_loaded``)."""
     k, v = load_block(
@@ -238,6 +247,7 @@ def attend_block(
         FP16_DOTS,
         FP8,
         FP8_NATIVE_LOAD,
+        CONVERT_V_FIRST,
     )
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
     return attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)

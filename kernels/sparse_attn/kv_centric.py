@@ -253,6 +253,7 @@ def kv_centric_attn_kernel(
     SCALE_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, k_scale folded
+    CONVERT_V_FIRST: tl.constexpr,  # schedule.launch_options
 ):
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
@@ -312,6 +313,7 @@ def kv_centric_attn_kernel(
             FOLD_SCALES,
             FP8,
             FP8_NATIVE_LOAD,
+            CONVERT_V_FIRST,
         )  # [D, 128], [128, D]: loaded and converted once for the run
         if negate_k:
             k = -k

@@ -85,7 +85,7 @@ def launch_options(
     interpreting: bool = False,
     blocks_per_program: int | None = None,
 ) -> dict:
-    """``DOT_FP32``, warps and stages of an attention launch.
+    """``DOT_FP32``, ``CONVERT_V_FIRST``, warps and stages of an attention launch.
 
     Args:
         vendor: ``"nvidia"``, ``"amd"``, or ``"cpu"`` (the interpreter).
@@ -103,21 +103,23 @@ def launch_options(
         KV 1 where a program walks one block (nothing to pipeline), else 2. Larger decode grids: bf16
         8 warps (16 rows; 4 warps spill) with 2 stages, FP8 4 warps with 3 stages (1-byte tiles leave room
         for two 3-stage programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps
-        for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages.
+        for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages. ``CONVERT_V_FIRST`` (``jit.load_block``: an
+        FP8 V tile converted before its transpose) for one-token FP8 decode, except in larger grids of
+        programs of at most 2 blocks, whose pipelined copies it slows.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256)
-        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 3}
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'num_warps': 4, 'num_stages': 3}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64, blocks_per_program=1)
-        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 1}
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'num_warps': 4, 'num_stages': 1}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256, blocks_per_program=2)
-        {'DOT_FP32': False, 'num_warps': 4, 'num_stages': 2}
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': False, 'num_warps': 4, 'num_stages': 2}
     """
     if interpreting or vendor == "cpu":
-        return dict(DOT_FP32=True, num_warps=4)
+        return dict(DOT_FP32=True, CONVERT_V_FIRST=False, num_warps=4)
     if vendor == "amd":
-        return dict(DOT_FP32=False, num_warps=4, num_stages=1)
+        return dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=4, num_stages=1)
     one_wave = decode_programs is not None and decode_programs <= sm_count
     # One wave, 8 -> 4 warps (H100, graph replay, s32768): bf16 (3 stages) TP1 B1 7.06 -> 6.43 us, TP8 B8 9.12 ->
     # 8.41, TP8 B32 16.74 -> 16.29; FP8 (2 -> 1 stage) TP1 B1 6.94 -> 6.67, TP8 B8 8.31 -> 7.61; TP1 B2 FP8 8.72 ->
@@ -126,13 +128,17 @@ def launch_options(
         # Larger grids: 8 warps took a 32-token step 17.3 us against 13.0 (H200, bench/NOTES.md, session 24).
         # Programs of at most 2 blocks: 2 stages (H100, TP8 B32, 8 splits of 2 blocks: 14.48 -> 13.15 us; TP1
         # B32's 2 splits of 8 blocks keep 3: 32.88 us against 33.73; bench/NOTES.md, session 34)
+        short = blocks_per_program is not None and blocks_per_program <= 2
         if one_wave:  # programs of one block have nothing to pipeline
             stages = 1 if blocks_per_program == 1 else 2
         else:
-            stages = 2 if blocks_per_program is not None and blocks_per_program <= 2 else 3
-        return dict(DOT_FP32=False, num_warps=4, num_stages=stages)
+            stages = 2 if short else 3
+        # V converted first (H100, bench/NOTES.md, session 42): TP1 B1 6.69 -> 6.29 us, TP8 B1 5.85 -> 5.56, TP1
+        # B32 32.59 -> 30.50, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
+        first = one_wave or not short
+        return dict(DOT_FP32=False, CONVERT_V_FIRST=first, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
-    return dict(DOT_FP32=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
+    return dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
 
 
 def kernel_options(

@@ -110,6 +110,7 @@ def sparse_attn_fwd_kernel(
     FP8_NATIVE_STORE: tl.constexpr,
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar, 2 per (KV head, physical slot)
     DOT_FP32: tl.constexpr,
+    CONVERT_V_FIRST: tl.constexpr,  # schedule.launch_options
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
     MAX_SPLITS: tl.constexpr,  # a bound of num_splits (SPLIT only): the merge's unrolled loop
@@ -327,6 +328,7 @@ def sparse_attn_fwd_kernel(
                 FP16_DOTS,
                 FP8,
                 FP8_NATIVE_LOAD,
+                CONVERT_V_FIRST,
             )
     else:
         # Several tokens: walk the distinct keys of the tile once each, in ascending order (a
@@ -378,6 +380,7 @@ def sparse_attn_fwd_kernel(
                 FP16_DOTS,
                 FP8,
                 FP8_NATIVE_LOAD,
+                CONVERT_V_FIRST,
             )
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 

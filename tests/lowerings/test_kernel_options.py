@@ -2,6 +2,7 @@
 user-kernel path drops, restored."""
 
 import functools
+import logging
 import pickle
 import types
 
@@ -75,16 +76,19 @@ def test_pdl_travels_as_a_constexpr_into_traced_launches(monkeypatch):
         _launch.launch(recording_kernel(["x"])[0], (1,), pdl=True)
 
 
-def test_access_analysis_sees_pdl_kernels_without_their_grid_dependency_asm(monkeypatch):
-    """Inductor's TTIR analysis of a user kernel's reads and writes cannot see through ``gdc_wait`` (non-pure
-    inline assembly): our kernels are analysed as their ``PDL=False`` build; other kernels are untouched."""
+def test_access_analysis_sees_our_kernels_without_their_opaque_asm(monkeypatch):
+    """Inductor's TTIR analysis of a user kernel's reads and writes cannot see through non-pure inline assembly
+    (``gdc_wait``, the FP8 V tile's ordering move): our kernels are analysed as their build with those
+    constexprs off; other kernels are untouched."""
     from mm3_compile.kernels.sparse_attn.union import sparse_attn_fwd_kernel
 
-    assert triton_kernel_wrap.generate_ttir.mm3_without_pdl
+    assert triton_kernel_wrap.generate_ttir.mm3_without_opaque_asm
     seen = []
-    wrapped = kernel_options._analysed_without_pdl(lambda kernel, kwargs, tma: seen.append(kwargs) or "ttir")
-    assert wrapped(sparse_attn_fwd_kernel, {"x": 1, "PDL": True}, {}) == "ttir"
-    assert seen.pop() == {"x": 1, "PDL": False}
+    wrapped = kernel_options._analysed_without_opaque_asm(lambda kernel, kwargs, tma: seen.append(kwargs) or "ttir")
+    assert wrapped(sparse_attn_fwd_kernel, {"x": 1, "PDL": True, "CONVERT_V_FIRST": True}, {}) == "ttir"
+    assert seen.pop() == {"x": 1, "PDL": False, "CONVERT_V_FIRST": False}
+    wrapped(sparse_attn_fwd_kernel, {"x": 1, "PDL": False, "CONVERT_V_FIRST": True}, {})
+    assert seen.pop() == {"x": 1, "PDL": False, "CONVERT_V_FIRST": False}
 
     @triton.jit
     def foreign(x, PDL: tl.constexpr):
@@ -191,20 +195,24 @@ def compiled_autotuners(prefix: str) -> list:
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_decode_step_launches_dependently(device):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gpu_compiled_decode_step_launches_dependently(device, kv_cache_dtype, caplog):
     """On sm_90 the compiled decode step's indexer and attention kernels are programmatic dependent launches,
     like eager ones: the constexpr is on, the compiled binaries carry ``launch_pdl``, and the outputs are
-    eager's bits.  Two requests at two KV heads merge their splits in a dependent launch, itself PDL."""
+    eager's bits.  Two requests at two KV heads merge their splits in a dependent launch, itself PDL.  Inductor's
+    analysis of the kernels' accesses succeeds (on failure it takes every input as written), with the FP8 V
+    tile's ordering asm too."""
     from tests.every_op import EveryOp, make_batch
 
     if not _launch.use_pdl(device):
         pytest.skip("programmatic dependent launch needs an NVIDIA sm_90+ device")
     torch._dynamo.reset()
-    module = EveryOp(num_blocks=64, D=128, device=device)
+    module = EveryOp(num_blocks=64, D=128, kv_cache_dtype=kv_cache_dtype, device=device)
     batch = make_batch(module, [300, 700], [1, 1], device=device)
     compiled = torch.compile(module.decode, fullgraph=True)
-    with torch._inductor.utils.fresh_cache():
+    with torch._inductor.utils.fresh_cache(), caplog.at_level(logging.WARNING):
         got = compiled(*batch.args())
+        assert "assuming every input is mutated" not in caplog.text
         for prefix in ("sparse_attn_fwd_kernel", "split_merge_kernel", "_index_score_kernel", "_index_topk_kernel"):
             autotuners = compiled_autotuners(prefix)
             assert autotuners, f"no compiled {prefix}"

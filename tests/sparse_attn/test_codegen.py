@@ -51,6 +51,7 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
                                       decode_programs=1 if decode_tile else None)
     constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1",
                       SPLIT=varlen != "1", SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"),
+                      CONVERT_V_FIRST=options.pop("CONVERT_V_FIRST"),
                       FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=target_name == "sm_90" and varlen != "1",
                       **FP8Launch(fmt, native_load=native == "1").constexprs())
     # the merge of a 16-split one-token decode (the largest split count of T = 16)
@@ -74,6 +75,8 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constexprs.items()},
                        {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(source, target=target, options=options)
+    if target_name == "sm_90" and native == "1":  # typed FP8 V is transposed in 16 bits (jit.load_block), not bytes
+        assert "ld.shared.b8" not in compiled.asm["ptx"] and "ld.shared.u8" not in compiled.asm["ptx"]
     if constexprs["PDL"]:
         head = compiled.asm["ptx"].split("griddepcontrol.wait")[0]
         # nothing is read before PDL's wait; one-token tiles prefetch their first dependent loads there
@@ -132,10 +135,11 @@ def compile_variant(kv_type, G, scale_mode, native, model):
     fmt = None if kv_type == "*bf16" else platform.fp8_format(platform.FP8_E4M3_OCP)
     options = schedule.launch_options("nvidia", 132, block_tok * block_h, prefill=True)
     dot_fp32 = options.pop("DOT_FP32")
+    convert_v_first = options.pop("CONVERT_V_FIRST")
     build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), dict(num_warps=4))
     build(kc.kv_centric_attn_kernel,
           dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
-               SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, **FP8Launch(fmt, native_load=native).constexprs(),
+               SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, CONVERT_V_FIRST=convert_v_first, **FP8Launch(fmt, native_load=native).constexprs(),
                FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
           dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32"),

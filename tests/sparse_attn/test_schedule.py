@@ -127,17 +127,27 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert options(decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
     assert decode_kernels.split_plan(1, 4, 16, cuda, fp8) == (16, 1)  # TP1 B1: 64 programs, one wave
     one_block = dict(fp8_decode=True, decode_programs=64, blocks_per_program=1)
-    assert options(**one_block) == dict(DOT_FP32=False, num_warps=4, num_stages=1)
-    assert options(fp8_decode=True, decode_programs=64) == dict(DOT_FP32=False, num_warps=4, num_stages=2)
+    assert options(**one_block) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=1)
+    assert options(fp8_decode=True, decode_programs=64) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=2
+    )
     assert options(decode_programs=64)["num_warps"] == 4  # bf16, one wave
     assert options(decode_programs=133)["num_warps"] == 8
-    assert options(fp8_decode=True, decode_programs=256) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
-    assert options(fp8_decode=True) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
+    assert options(fp8_decode=True, decode_programs=256) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3
+    )
+    assert options(fp8_decode=True) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3)
+    # programs of at most 2 blocks in a larger grid: 2 stages, FP8 V converted after its transpose (Triton's order)
+    short = dict(fp8_decode=True, decode_programs=256, blocks_per_program=2)
+    assert options(**short) == dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=4, num_stages=2)
+    assert not options(decode_programs=64)["CONVERT_V_FIRST"]  # bf16 caches and prefill never take the asm
     # a symbolic grid (a trace at one request runs every batch): bf16 follows the hint, FP8 takes the multi-wave options
     env = ShapeEnv()
     programs = env.create_symintnode(env.create_symbol(64, ConstantSource("programs")), hint=64)
     assert options(decode_programs=programs)["num_stages"] == 3
-    assert options(fp8_decode=True, decode_programs=programs) == dict(DOT_FP32=False, num_warps=4, num_stages=3)
+    assert options(fp8_decode=True, decode_programs=programs) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3
+    )
 
 
 def test_shared_counters_are_real_cuda_tensors_only():
