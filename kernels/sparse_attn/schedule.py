@@ -133,8 +133,8 @@ def launch_options(
             stages = 1 if blocks_per_program == 1 else 2
         else:
             stages = 2 if short else 3
-        # V converted first (H100, bench/NOTES.md, session 42): TP1 B1 6.69 -> 6.29 us, TP8 B1 5.85 -> 5.56, TP1
-        # B32 32.59 -> 30.50, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
+        # V converted first (H100, bench/NOTES.md, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1
+        # B32 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
         first = one_wave or not short
         return dict(DOT_FP32=False, CONVERT_V_FIRST=first, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
