@@ -3,13 +3,15 @@ ldmatrix transpose straight from the copied bytes, the FP8 -> fp16 conversion af
 42's plan (V_PAIRS off, CONVERT_V_FIRST as planned then), decode bench shapes, interleaved (bench/attn_probe.op_row:
 graph replay over every rotated set, float64-checked, graph == eager), and the two paths' outputs compared bit for bit.
 "pairs" is the schedule's plan (pairs where it takes them; the session's first call took them at every FP8 launch).
-Run: python3 .gpu/pairs_ab.py [stages]  (stages: force the pairs launches' num_stages and time only their shapes)"""
+Run: python3 .gpu/pairs_ab.py [stages | everywhere]  (stages: force the pairs launches' num_stages and time only
+their shapes; everywhere: pairs at every FP8 decode launch over fp16 dots)"""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dep_ab import P, ceilings, line, make, schedule, torch  # noqa: E402
 
 base = schedule.kernel_options
-STAGES = int(sys.argv[1]) if len(sys.argv) > 1 else None
+STAGES = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "everywhere" else None
+EVERYWHERE = "everywhere" in sys.argv[1:]  # pairs at every FP8 launch over fp16 dots, the plan's stages
 
 
 def variant(pairs):
@@ -17,7 +19,9 @@ def variant(pairs):
         o = base(*a, **k)
         if not pairs and o["V_PAIRS"]:  # session 42's plan: the same options without fp16 dots' pairs
             o = base(*a, **{**k, "fp16_dots": False})
-        elif pairs and o["V_PAIRS"] and STAGES:
+        elif pairs and EVERYWHERE and k.get("fp8_decode") and k.get("fp16_dots"):
+            o.update(V_PAIRS=True, CONVERT_V_FIRST=False)
+        if pairs and o["V_PAIRS"] and STAGES:
             o["num_stages"] = STAGES
         return o
 

@@ -107,14 +107,14 @@ def launch_options(
         for two 3-stage programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps
         for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages. ``CONVERT_V_FIRST`` (``jit.load_block``: an
         FP8 V tile converted before its transpose) for one-token FP8 decode, except in larger grids of
-        programs of at most 2 blocks, whose pipelined copies it slows: there ``V_PAIRS`` (V's bytes
-        transposed as int16 pairs, converted after) where the dots are fp16, else Triton's order. The
-        interpreter takes ``V_PAIRS`` for every one-token decode over fp16 dots (its only check of the path).
+        programs of at most 2 blocks, whose pipelined copies it slows; ``V_PAIRS`` instead (V's bytes
+        transposed as int16 pairs, converted after) wherever the dots are fp16 and the split's block count is
+        known, and in the interpreter.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
-        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256)
-        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'V_PAIRS': False, 'num_warps': 4, 'num_stages': 3}
+        >>> launch_options("nvidia", 132, 16, False, True, 256, blocks_per_program=8, fp16_dots=True)
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': False, 'V_PAIRS': True, 'num_warps': 4, 'num_stages': 3}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64, blocks_per_program=1)
         {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'V_PAIRS': False, 'num_warps': 4, 'num_stages': 1}
         >>> launch_options("nvidia", 132, 16, False, True, 256, blocks_per_program=2, fp16_dots=True)
@@ -137,11 +137,13 @@ def launch_options(
             stages = 1 if blocks_per_program == 1 else 2
         else:
             stages = 2 if short else 3
-        # V converted first (H100, bench/NOTES.md, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1
-        # B32 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
-        # Short programs in larger grids over fp16 dots: V as int16 pairs (H100, bench/NOTES.md, session 43):
-        # TP8 B32 13.09 -> 12.40 us, TP8 B16 and TP1 B8 even; programs of many blocks lose (TP1 B32 30.5 -> 33.5).
-        pairs = fp16_dots and short and not one_wave
+        # Over fp16 dots V is read as int16 pairs; against V converted first, and for short programs in larger
+        # grids Triton's order (H100, same call, bench/NOTES.md, session 43): TP8 B32 13.09 -> 12.22 us, TP1 B8
+        # 13.62 -> 11.94, TP1 B32 30.51 -> 29.49, TP1 B128 98.8 -> 96.1, TP8 B1 5.56 -> 5.50, TP1 B1 even.  A
+        # symbolic split (a graph traced for every batch) keeps V converted first: not yet timed against it.
+        pairs = fp16_dots and blocks_per_program is not None
+        # Otherwise V converted first (H100, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1 B32
+        # 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
         first = not pairs and (one_wave or not short)
         return dict(DOT_FP32=False, CONVERT_V_FIRST=first, V_PAIRS=pairs, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8

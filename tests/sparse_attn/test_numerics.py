@@ -143,8 +143,8 @@ def test_decode_v_pairs_give_the_tile_bits(spec, device, monkeypatch):
 
     def forced(on):
         def options(*args, **kwargs):
-            chosen = base(*args, **kwargs)
-            chosen["V_PAIRS"] = on and kwargs.get("fp16_dots", False)
+            # off: the options without pairs (V converted first on the GPU: this grid is one wave)
+            chosen = base(*args, **kwargs) if on else base(*args, **{**kwargs, "fp16_dots": False})
             taken.append((chosen["V_PAIRS"], chosen["CONVERT_V_FIRST"]))
             return chosen
 
@@ -159,8 +159,7 @@ def test_decode_v_pairs_give_the_tile_bits(spec, device, monkeypatch):
         for on in (False, True):
             monkeypatch.setattr(attn_schedule, "kernel_options", forced(on))
             outputs[on] = (torch.ops.mm3.sparse_attn_decode(*case.decode_args()), case.split_decode(3, scale_mode=1))
-    assert [pairs for pairs, _ in taken] == [False, False, True, True]
-    assert all(first for _, first in taken) if gpu else not any(first for _, first in taken)
+    assert taken == [(False, gpu), (False, gpu), (True, False), (True, False)]
     for tile, pairs in zip(outputs[False], outputs[True]):
         assert torch.equal(tile, pairs)
     ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)

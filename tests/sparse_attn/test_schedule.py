@@ -128,12 +128,20 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert decode_kernels.split_plan(1, 4, 16, cuda, fp8) == (16, 1)  # TP1 B1: 64 programs, one wave
     one_block = dict(fp8_decode=True, decode_programs=64, blocks_per_program=1)
     assert options(**one_block) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=1)
-    assert options(fp8_decode=True, decode_programs=64, fp16_dots=True) == dict(
+    assert options(fp8_decode=True, decode_programs=64) == dict(
         DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=2
     )
+    # over fp16 dots (scalar or no scales) V is read as int16 pairs wherever the split's block count is known
+    assert options(fp8_decode=True, decode_programs=64, blocks_per_program=2, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=2
+    )
+    assert options(**one_block, fp16_dots=True)["V_PAIRS"]
     assert options(decode_programs=64)["num_warps"] == 4  # bf16, one wave
     assert options(decode_programs=133)["num_warps"] == 8
-    assert options(fp8_decode=True, decode_programs=256, fp16_dots=True) == dict(
+    assert options(fp8_decode=True, decode_programs=256, blocks_per_program=8, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=3
+    )
+    assert options(fp8_decode=True, decode_programs=256, fp16_dots=True) == dict(  # block count unknown
         DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
     )
     assert options(fp8_decode=True) == dict(
@@ -146,8 +154,6 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
         DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=2
     )
     assert options(**short) == dict(DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=False, num_warps=4, num_stages=2)
-    one_wave_short = dict(fp8_decode=True, decode_programs=128, blocks_per_program=2, fp16_dots=True)
-    assert not options(**one_wave_short)["V_PAIRS"]  # one wave: V converted first
     # bf16 caches and prefill never take the asm
     assert not any(options(decode_programs=64, fp16_dots=True)[k] for k in ("CONVERT_V_FIRST", "V_PAIRS"))
     assert not options(decode_programs=None, fp16_dots=True)["V_PAIRS"]
@@ -155,7 +161,8 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     env = ShapeEnv()
     programs = env.create_symintnode(env.create_symbol(64, ConstantSource("programs")), hint=64)
     assert options(decode_programs=programs)["num_stages"] == 3
-    assert options(fp8_decode=True, decode_programs=programs, fp16_dots=True) == dict(
+    blocks = env.create_symintnode(env.create_symbol(16, ConstantSource("blocks")), hint=16)
+    assert options(fp8_decode=True, decode_programs=programs, blocks_per_program=blocks, fp16_dots=True) == dict(
         DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
     )
 
