@@ -113,10 +113,12 @@ def load_block(
     FP8: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
     CONVERT_V_FIRST: tl.constexpr,  # NVIDIA: an FP8 V tile is converted before its transpose (below)
+    V_PAIRS: tl.constexpr,  # FP16_DOTS: V stays FP8 bytes, read as int16 pairs (below, ``attend_loaded``)
 ):
     """One 128-key block's K^T [D, 128] and V [128, D] in the dot dtype, V issued right after K so both
     loads are in flight together.  FP16_DOTS (FP8 K/V with scalar or no scales): the FP8 values exactly
-    and unscaled, in fp16 (the caller folds the scales into the logit factor and the output)."""
+    and unscaled, in fp16 (the caller folds the scales into the logit factor and the output).  V_PAIRS:
+    V instead as its raw bytes, [128, D / 2] int16 (``split_pairs``)."""
     dims = tl.arange(0, D)
     offs = tl.arange(0, PAGE)
     base = head_base + page * stride_kb + offs.to(tl.int64) * stride_kt  # [128] key row pointers
@@ -139,24 +141,70 @@ def load_block(
         tile_scale_mode,
         DOT_FP32,
     )  # [D, 128]
-    v = load_kv_tile(
-        base[:, None] + D + dims[None, :],
-        key_ok[:, None],
-        vs,
-        tile_dtype,
-        FP8,
-        FP8_NATIVE_LOAD,
-        tile_scale_mode,
-        DOT_FP32,
-    )  # [128, D]
-    if FP8 != 0 and CONVERT_V_FIRST:
-        # V feeds the PV dot as its [keys, D] operand, which the tensor cores want key-pairs of: Triton moves
-        # the tile through shared memory transposed, and left alone it moves the conversion after that
-        # transpose, which an 8-bit tile then takes byte by byte (sm_90, 4 warps: 128 LDS.U8 per thread).  An
-        # opaque move (a non-pure asm is not moved) keeps the conversion first, so the 16-bit tile takes the
-        # ldmatrix transpose as bf16 V does.
-        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+    if V_PAIRS:
+        # The PV dot wants V's key-pairs in registers, the cache stores each key's D values contiguously: the
+        # tile crosses shared memory transposed.  Read as int16 (two adjacent D values of one key), it takes
+        # the 16-bit ldmatrix transpose straight from the bytes it was copied as (Triton hoists the
+        # transpose above the elementwise byte split), and the FP8 -> fp16 conversion follows in registers.
+        tl.static_assert(FP16_DOTS, "V_PAIRS needs fp16 dots over an FP8 cache with scalar or no scales")
+        pairs = tl.arange(0, D // 2)
+        pair_ptrs = tl.cast(base + D, tl.pointer_type(tl.int16), bitcast=True)  # even: the launcher checks
+        v = tl.load(pair_ptrs[:, None] + pairs[None, :], mask=key_ok[:, None], other=0)  # [128, D / 2]
+    else:
+        v = load_kv_tile(
+            base[:, None] + D + dims[None, :],
+            key_ok[:, None],
+            vs,
+            tile_dtype,
+            FP8,
+            FP8_NATIVE_LOAD,
+            tile_scale_mode,
+            DOT_FP32,
+        )  # [128, D]
+        if FP8 != 0 and CONVERT_V_FIRST:
+            # V feeds the PV dot as its [keys, D] operand, which the tensor cores want key-pairs of: Triton
+            # moves the tile through shared memory transposed, and left alone it moves the conversion after
+            # that transpose, which an 8-bit tile then takes byte by byte (sm_90, 4 warps: 128 LDS.U8 per
+            # thread).  An opaque move (a non-pure asm is not moved) keeps the conversion first, so the 16-bit
+            # tile takes the ldmatrix transpose as bf16 V does.
+            v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
     return k, v
+
+
+@triton.jit
+def split_pairs(w, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, DOT_FP32: tl.constexpr):
+    """[R, C] int16 pairs of FP8 bytes (D index 2j in the low byte, 2j + 1 in the high one) -> (even, odd)
+    [R, C] fp16 (fp32 under DOT_FP32): the FP8 values exactly."""
+    if FP8_NATIVE_LOAD:  # NVIDIA's e4m3fn or e5m2 (the schedule takes V_PAIRS nowhere else)
+        # per 32-bit register (two pairs): gather the low (high) bytes, then one hardware conversion of two
+        E4M3: tl.constexpr = (FP8 & 3) == 3
+        if E4M3:
+            even, odd = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; .reg .b16 h; prmt.b32 t, $2, 0, 0x20; cvt.u16.u32 h, t; "
+                "cvt.rn.f16x2.e4m3x2 $0, h; prmt.b32 t, $2, 0, 0x31; cvt.u16.u32 h, t; cvt.rn.f16x2.e4m3x2 $1, h; }",
+                "=r,=r,r",
+                [w],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            even, odd = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; .reg .b16 h; prmt.b32 t, $2, 0, 0x20; cvt.u16.u32 h, t; "
+                "cvt.rn.f16x2.e5m2x2 $0, h; prmt.b32 t, $2, 0, 0x31; cvt.u16.u32 h, t; cvt.rn.f16x2.e5m2x2 $1, h; }",
+                "=r,=r,r",
+                [w],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=2,
+            )
+    else:
+        even = fp8_decode(w, FP8).to(tl.float16)  # every FP8 value is an fp16 value
+        odd = fp8_decode(w >> 8, FP8).to(tl.float16)
+    if DOT_FP32:
+        even = widen(even)
+        odd = widen(odd)
+    return even, odd
 
 
 @triton.jit
@@ -172,9 +220,14 @@ def attend_loaded(
     qk_scale,
     P_DTYPE: tl.constexpr,  # P is rounded to the operand dtype before P.V, like the GPU's tensor-core path
     DOT_FP32: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_NATIVE_LOAD: tl.constexpr,
+    V_PAIRS: tl.constexpr,  # v is [128, D / 2] int16 pairs of FP8 bytes (``load_block``)
 ):
     """Online-softmax update of (m, l, acc, low) with one QK and one PV dot over a loaded block; ``low`` is
-    the smallest block maximum seen (``HUGE_LOGIT``)."""
+    the smallest block maximum seen (``HUGE_LOGIT``).  V_PAIRS: the PV dot is two, over V's even and odd D
+    columns, each accumulating into its half of ``acc`` (split and interleaved again in registers): each output
+    element sums the same products in the same order as one dot over the whole tile."""
     s = tl.dot(q, k) * qk_scale  # [BLOCK_M, 128] log2-domain logits
     s = tl.where(visible, s, float("-inf"))
     block_max = tl.max(s, axis=1)
@@ -188,7 +241,12 @@ def attend_loaded(
     p = to_model_dtype(p, P_DTYPE)
     if DOT_FP32:
         p = widen(p)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
+    if V_PAIRS:
+        even, odd = split_pairs(v, FP8, FP8_NATIVE_LOAD, DOT_FP32)  # [128, D / 2] each
+        acc_even, acc_odd = tl.split(tl.reshape(acc * alpha[:, None], [acc.shape[0], v.shape[1], 2]))
+        acc = tl.reshape(tl.join(tl.dot(p, even, acc_even), tl.dot(p, odd, acc_odd)), acc.shape)  # column 2j + i
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l, acc, low
 
 
@@ -223,6 +281,7 @@ def attend_block(
     FP8: tl.constexpr,
     FP8_NATIVE_LOAD: tl.constexpr,  # the cache's FP8 (kernels/fp8.py)
     CONVERT_V_FIRST: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):
     """One 128-key block: load it, then the online-softmax update (see ``load_block``, ``attend_loaded``)."""
     k, v = load_block(
@@ -248,9 +307,12 @@ def attend_block(
         FP8,
         FP8_NATIVE_LOAD,
         CONVERT_V_FIRST,
+        V_PAIRS,
     )
     tile_dtype: tl.constexpr = tl.float16 if FP16_DOTS else MODEL_DTYPE
-    return attend_loaded(q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32)
+    return attend_loaded(
+        q, m, l, acc, low, k, v, visible, qk_scale, tile_dtype, DOT_FP32, FP8, FP8_NATIVE_LOAD, V_PAIRS
+    )
 
 
 @triton.jit

@@ -254,8 +254,10 @@ def kv_centric_attn_kernel(
     DOT_FP32: tl.constexpr,
     FOLD_SCALES: tl.constexpr,  # fp16 model, FP8 cache, scalar or no scales: K/V unscaled, k_scale folded
     CONVERT_V_FIRST: tl.constexpr,  # schedule.launch_options
+    V_PAIRS: tl.constexpr,  # schedule.launch_options: off for prefill tiles
 ):
     """Rows of a tile are (pair, query head): row = pair_in_tile * BLOCK_H + head_in_group."""
+    tl.static_assert(not V_PAIRS, "a run's V is shifted and reused as a 16-bit tile")
     BLOCK_M: tl.constexpr = BLOCK_TOK * BLOCK_H
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     k_scale, v_scale = scalar_scales(k_scale_ptr, v_scale_ptr, SCALE_MODE)
@@ -314,6 +316,7 @@ def kv_centric_attn_kernel(
             FP8,
             FP8_NATIVE_LOAD,
             CONVERT_V_FIRST,
+            V_PAIRS,
         )  # [D, 128], [128, D]: loaded and converted once for the run
         if negate_k:
             k = -k

@@ -84,8 +84,9 @@ def launch_options(
     decode_programs: int | None = None,
     interpreting: bool = False,
     blocks_per_program: int | None = None,
+    fp16_dots: bool = False,
 ) -> dict:
-    """``DOT_FP32``, ``CONVERT_V_FIRST``, warps and stages of an attention launch.
+    """``DOT_FP32``, ``CONVERT_V_FIRST``, ``V_PAIRS``, warps and stages of an attention launch.
 
     Args:
         vendor: ``"nvidia"``, ``"amd"``, or ``"cpu"`` (the interpreter).
@@ -96,6 +97,7 @@ def launch_options(
         decode_programs: the grid size of a one-token decode, else None.
         interpreting: the Triton interpreter, whose bf16 dots are wrong (widen the operands).
         blocks_per_program: the blocks one decode program walks (its split's), if known.
+        fp16_dots: the launch's ``FP16_DOTS`` (an FP8 cache with scalar or no scales).
 
     Returns:
         Keyword options of the launch. sm_90, a one-token decode grid of at most one program per SM
@@ -105,21 +107,23 @@ def launch_options(
         for two 3-stage programs per SM), 2 stages where a program walks at most 2 blocks. Prefill: 8 warps
         for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages. ``CONVERT_V_FIRST`` (``jit.load_block``: an
         FP8 V tile converted before its transpose) for one-token FP8 decode, except in larger grids of
-        programs of at most 2 blocks, whose pipelined copies it slows.
+        programs of at most 2 blocks, whose pipelined copies it slows; ``V_PAIRS`` instead (V's bytes
+        transposed as int16 pairs, converted after) wherever the dots are fp16 and the split's block count is
+        known, and in the interpreter.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
-        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256)
-        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'num_warps': 4, 'num_stages': 3}
+        >>> launch_options("nvidia", 132, 16, False, True, 256, blocks_per_program=8, fp16_dots=True)
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': False, 'V_PAIRS': True, 'num_warps': 4, 'num_stages': 3}
         >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=64, blocks_per_program=1)
-        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'num_warps': 4, 'num_stages': 1}
-        >>> launch_options("nvidia", 132, 16, False, fp8_decode=True, decode_programs=256, blocks_per_program=2)
-        {'DOT_FP32': False, 'CONVERT_V_FIRST': False, 'num_warps': 4, 'num_stages': 2}
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': True, 'V_PAIRS': False, 'num_warps': 4, 'num_stages': 1}
+        >>> launch_options("nvidia", 132, 16, False, True, 256, blocks_per_program=2, fp16_dots=True)
+        {'DOT_FP32': False, 'CONVERT_V_FIRST': False, 'V_PAIRS': True, 'num_warps': 4, 'num_stages': 2}
     """
     if interpreting or vendor == "cpu":
-        return dict(DOT_FP32=True, CONVERT_V_FIRST=False, num_warps=4)
+        return dict(DOT_FP32=True, CONVERT_V_FIRST=False, V_PAIRS=fp8_decode and fp16_dots, num_warps=4)
     if vendor == "amd":
-        return dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=4, num_stages=1)
+        return dict(DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=False, num_warps=4, num_stages=1)
     one_wave = decode_programs is not None and decode_programs <= sm_count
     # One wave, 8 -> 4 warps (H100, graph replay, s32768): bf16 (3 stages) TP1 B1 7.06 -> 6.43 us, TP8 B8 9.12 ->
     # 8.41, TP8 B32 16.74 -> 16.29; FP8 (2 -> 1 stage) TP1 B1 6.94 -> 6.67, TP8 B8 8.31 -> 7.61; TP1 B2 FP8 8.72 ->
@@ -133,12 +137,19 @@ def launch_options(
             stages = 1 if blocks_per_program == 1 else 2
         else:
             stages = 2 if short else 3
-        # V converted first (H100, bench/NOTES.md, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1
-        # B32 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
-        first = one_wave or not short
-        return dict(DOT_FP32=False, CONVERT_V_FIRST=first, num_warps=4, num_stages=stages)
+        # Over fp16 dots V is read as int16 pairs; against V converted first, and for short programs in larger
+        # grids Triton's order (H100, same call, bench/NOTES.md, session 43): TP8 B32 13.09 -> 12.22 us, TP1 B8
+        # 13.62 -> 11.94, TP1 B32 30.51 -> 29.49, TP1 B128 98.8 -> 96.1, TP8 B1 5.56 -> 5.50, TP1 B1 even.  A
+        # symbolic split (a graph traced for every batch) keeps V converted first: not yet timed against it.
+        pairs = fp16_dots and blocks_per_program is not None
+        # Otherwise V converted first (H100, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1 B32
+        # 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
+        first = not pairs and (one_wave or not short)
+        return dict(DOT_FP32=False, CONVERT_V_FIRST=first, V_PAIRS=pairs, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
-    return dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=num_warps, num_stages=3 if one_wave else 2)
+    return dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=False, num_warps=num_warps, num_stages=3 if one_wave else 2
+    )
 
 
 def kernel_options(
@@ -148,6 +159,7 @@ def kernel_options(
     fp8_decode: bool = False,
     decode_programs=None,
     blocks_per_program=None,
+    fp16_dots: bool = False,
 ) -> dict:
     """:func:`launch_options` for ``device``; ``decode_programs`` may be symbolic (a trace with a symbolic batch).
 
@@ -162,10 +174,19 @@ def kernel_options(
     if isinstance(blocks_per_program, torch.SymInt):  # unknown: a graph traced at one request runs every batch
         blocks_per_program = None
     if platform.interpreting() or device.type != "cuda":
-        return launch_options("cpu", None, block_m, prefill, fp8_decode, decode_programs, interpreting=True)
+        return launch_options(
+            "cpu", None, block_m, prefill, fp8_decode, decode_programs, interpreting=True, fp16_dots=fp16_dots
+        )
     vendor = platform.platform_for(device).vendor
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index) if vendor == "nvidia" else None
     return launch_options(
-        vendor, sms, block_m, prefill, fp8_decode, decode_programs, blocks_per_program=blocks_per_program
+        vendor,
+        sms,
+        block_m,
+        prefill,
+        fp8_decode,
+        decode_programs,
+        blocks_per_program=blocks_per_program,
+        fp16_dots=fp16_dots,
     )

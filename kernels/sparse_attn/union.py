@@ -28,10 +28,11 @@ selected blocks are a set (an id listed twice counts once).  Numerics: see ``jit
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mm3_compile import platform
 from mm3_compile.contract import LOG2E, SCALE_NONE, SCALE_PER_TOKEN_HEAD
-from mm3_compile.kernels._launch import launch, use_pdl
+from mm3_compile.kernels._launch import launch, launches_traced, use_pdl
 from mm3_compile.kernels.fp8 import fp8_launch
 from mm3_compile.kernels.sparse_attn import schedule
 from mm3_compile.kernels.sparse_attn.jit import (
@@ -111,6 +112,7 @@ def sparse_attn_fwd_kernel(
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar, 2 per (KV head, physical slot)
     DOT_FP32: tl.constexpr,
     CONVERT_V_FIRST: tl.constexpr,  # schedule.launch_options
+    V_PAIRS: tl.constexpr,  # schedule.launch_options (and an even cache: launch_sparse_attn)
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (sm_90+): wait for the previous grid first
     MAX_SPLITS: tl.constexpr,  # a bound of num_splits (SPLIT only): the merge's unrolled loop
@@ -329,6 +331,7 @@ def sparse_attn_fwd_kernel(
                 FP8,
                 FP8_NATIVE_LOAD,
                 CONVERT_V_FIRST,
+                V_PAIRS,
             )
     else:
         # Several tokens: walk the distinct keys of the tile once each, in ascending order (a
@@ -381,6 +384,7 @@ def sparse_attn_fwd_kernel(
                 FP8,
                 FP8_NATIVE_LOAD,
                 CONVERT_V_FIRST,
+                V_PAIRS,
             )
             key = tl.min(tl.where(keys > key, keys, NO_KEY))  # next distinct key in ascending order
 
@@ -550,6 +554,15 @@ def table_row(max_blocks, one_token_decode: bool) -> int:
     return triton.next_power_of_2(max_blocks)
 
 
+def pairs_aligned(kv_cache: torch.Tensor) -> bool:
+    """Whether an FP8 cache's V rows start at even bytes (``V_PAIRS`` reads them as int16): even strides and
+    offset, and an even address where the cache has one (a traced cache's storage is the allocator's)."""
+    offsets = (kv_cache.storage_offset(), *kv_cache.stride()[:3])
+    if not all(statically_known_true(offset % 2 == 0) for offset in offsets):
+        return False
+    return launches_traced() or kv_cache.data_ptr() % 2 == 0
+
+
 def kv_launch_args(kv_cache, fmt: FP8Format | None, scale_mode: int, k_scale, v_scale, placeholder: torch.Tensor):
     """What every attention launch passes about the cache: the cache as the kernel reads it (typed FP8,
     or bytes decoded with integer arithmetic where Triton lacks the type), the scale mode (none for
@@ -606,6 +619,17 @@ def launch_sparse_attn(
     last_merges = schedule.merge_plan(triton.cdiv(total_q, block_q) * Hkv) if dependent_merge else 1
     fp16_dots = schedule.fp16_dots(fmt, scale_mode)
     merge_bound = max_splits(num_splits, T) if split_buffers is not None else 1
+    options = schedule.kernel_options(
+        q.device,
+        block_q * block_h,
+        prefill=cu_seqlens_q is not None,
+        fp8_decode=fmt is not None and decode_tile,
+        decode_programs=grid[0] * Hkv if decode_tile else None,
+        blocks_per_program=blocks_per_split if decode_tile else None,
+        fp16_dots=fp16_dots,
+    )
+    # V_PAIRS reads V as int16: every V row must start at an even byte (any dense cache does)
+    options["V_PAIRS"] = options["V_PAIRS"] and pairs_aligned(kv_cache)
     launch(
         sparse_attn_fwd_kernel,
         grid,
@@ -654,14 +678,7 @@ def launch_sparse_attn(
         TABLE_ROW=table_row(block_table.shape[1], decode_tile),
         **fp8.constexprs(),
         pdl=pdl,
-        **schedule.kernel_options(
-            q.device,
-            block_q * block_h,
-            prefill=cu_seqlens_q is not None,
-            fp8_decode=fmt is not None and decode_tile,
-            decode_programs=grid[0] * Hkv if decode_tile else None,
-            blocks_per_program=blocks_per_split if decode_tile else None,
-        ),
+        **options,
     )
     if dependent_merge:
         rows = total_q * Hq

@@ -36,22 +36,25 @@ from mm3_compile.kernels.sparse_attn import schedule, union
 
 
 
-def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, native):
+def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, native, programs):
     target = GPUTarget("cuda", 90, 32) if target_name == "sm_90" else GPUTarget("hip", target_name, 64)
     kernel = union.sparse_attn_fwd_kernel
     names = kernel.arg_names
-    G, D, block_q, scale_mode = int(G), int(D), int(block_q), int(scale_mode)
+    G, D, block_q, scale_mode, programs = int(G), int(D), int(block_q), int(scale_mode), int(programs)
     block_h = schedule.head_block(G, block_q)
     fmt = None if kv_type == "*bf16" else platform.fp8_format(
         platform.FP8_E4M3_FNUZ if "b8" in kv_type else platform.FP8_E4M3_OCP)
     decode_tile = varlen != "1" and block_q == 1
-    # a one-token decode grid of at most one program per SM (132 on the H200): 4 warps, bf16 3 stages
+    # a one-token decode grid of `programs` (132 SMs on the H200; past one wave, programs of 2 blocks)
     options = schedule.launch_options("nvidia" if target_name == "sm_90" else "amd", 132, block_q * block_h,
                                       prefill=varlen == "1", fp8_decode=fmt is not None and decode_tile,
-                                      decode_programs=1 if decode_tile else None)
+                                      decode_programs=programs if decode_tile else None,
+                                      blocks_per_program=2 if programs > 132 else None,
+                                      fp16_dots=schedule.fp16_dots(fmt, scale_mode))
+    v_pairs = options.pop("V_PAIRS")
     constexprs = dict(G=G, D=D, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_T=16, VARLEN=varlen == "1",
                       SPLIT=varlen != "1", SCALE_MODE=scale_mode, DOT_FP32=options.pop("DOT_FP32"),
-                      CONVERT_V_FIRST=options.pop("CONVERT_V_FIRST"),
+                      CONVERT_V_FIRST=options.pop("CONVERT_V_FIRST"), V_PAIRS=v_pairs,
                       FP16_DOTS=schedule.fp16_dots(fmt, scale_mode), PDL=target_name == "sm_90" and varlen != "1",
                       **FP8Launch(fmt, native_load=native == "1").constexprs())
     # the merge of a 16-split one-token decode (the largest split count of T = 16)
@@ -77,6 +80,8 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
     compiled = triton.compile(source, target=target, options=options)
     if target_name == "sm_90" and native == "1":  # typed FP8 V is transposed in 16 bits (jit.load_block), not bytes
         assert "ld.shared.b8" not in compiled.asm["ptx"] and "ld.shared.u8" not in compiled.asm["ptx"]
+    if v_pairs:  # V's bytes copied and transposed in 16 bits, then split in registers (jit.split_pairs)
+        assert ".trans.shared.b16" in compiled.asm["ptx"] and "cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"]
     if constexprs["PDL"]:
         head = compiled.asm["ptx"].split("griddepcontrol.wait")[0]
         # nothing is read before PDL's wait; one-token tiles prefetch their first dependent loads there
@@ -102,7 +107,7 @@ def compile_variant(target_name, kv_type, G, D, block_q, varlen, scale_mode, nat
             assert "ld.global" not in head, head[-3000:]
     print("compiled", sorted(compiled.asm), flush=True)
 
-""" + each_variant(8)
+""" + each_variant(9)
 
 
 KV_CENTRIC_COMPILE_SCRIPT = r"""
@@ -136,10 +141,12 @@ def compile_variant(kv_type, G, scale_mode, native, model):
     options = schedule.launch_options("nvidia", 132, block_tok * block_h, prefill=True)
     dot_fp32 = options.pop("DOT_FP32")
     convert_v_first = options.pop("CONVERT_V_FIRST")
+    v_pairs = options.pop("V_PAIRS")
     build(kc.pair_keys_kernel, dict(BLOCK_TOK=kc.KEY_TOKENS, BLOCK_T=16), {}, (), dict(num_warps=4))
     build(kc.kv_centric_attn_kernel,
           dict(G=G, D=128, BLOCK_H=block_h, BLOCK_TOK=block_tok, PAIRS=block_tok * kc.TILES_PER_PROGRAM, SLOT_BITS=4,
-               SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, CONVERT_V_FIRST=convert_v_first, **FP8Launch(fmt, native_load=native).constexprs(),
+               SCALE_MODE=scale_mode, DOT_FP32=dot_fp32, CONVERT_V_FIRST=convert_v_first, V_PAIRS=v_pairs,
+               **FP8Launch(fmt, native_load=native).constexprs(),
                FOLD_SCALES=model == "*fp16" and kv_type != "*bf16" and scale_mode != 2),
           dict(q_ptr=model, kv_ptr=kv_type, order_ptr="*i64", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
                partial_ptr="*fp16", lse_ptr="*fp32", unscale_ptr="*fp32"),
@@ -233,14 +240,15 @@ def test_gpu_launchers_trace_with_symbolic_shapes(device):
     assert not workspace.any()
 
 
-# target, kv_type, G, D, block_q, varlen, scale_mode, native
+# target, kv_type, G, D, block_q, varlen, scale_mode, native, decode programs
 GPU_TARGET_VARIANTS = [
-    ("sm_90", "*bf16", 16, 128, 8, 1, 0, 0),  # TP1 prefill tile
-    ("sm_90", "*bf16", 16, 128, 1, 0, 0, 0),  # TP1 bf16 decode, 3 stages
-    ("sm_90", "*u8", 8, 64, 16, 1, 2, 0),  # FP8 bytes, per-slot scales, D 64
-    ("gfx942", "*fp8e4b8", 16, 128, 1, 0, 1, 1),  # split decode on MI300: typed e4m3fnuz
-    ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1),  # TP8 B1 decode on the H200: typed e4m3fn, scalar scale, 4 warps
-    ("sm_90", "*fp8e4nv", 16, 128, 1, 0, 2, 1),  # TP1 B1 decode, per-slot scales (bf16 dots), 4 warps
+    ("sm_90", "*bf16", 16, 128, 8, 1, 0, 0, 1),  # TP1 prefill tile
+    ("sm_90", "*bf16", 16, 128, 1, 0, 0, 0, 1),  # TP1 bf16 decode, 3 stages
+    ("sm_90", "*u8", 8, 64, 16, 1, 2, 0, 1),  # FP8 bytes, per-slot scales, D 64
+    ("gfx942", "*fp8e4b8", 16, 128, 1, 0, 1, 1, 1),  # split decode on MI300: typed e4m3fnuz
+    ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1, 1),  # TP8 B1 decode on the H200: typed e4m3fn, scalar scale, 4 warps
+    ("sm_90", "*fp8e4nv", 16, 128, 1, 0, 2, 1, 1),  # TP1 B1 decode, per-slot scales (bf16 dots), 4 warps
+    ("sm_90", "*fp8e4nv", 8, 128, 1, 0, 1, 1, 256),  # TP8 B32 decode: 2-block programs, V as int16 pairs
 ]
 
 

@@ -16,6 +16,7 @@ the top-k tensor is a transposed (token-major) view.  FP8 caches are written wit
 casts ("reference path") in the flavour the dtype authority gives for the emulated platform.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -23,6 +24,7 @@ import torch
 
 from mm3_compile import platform
 from mm3_compile.kernels.sparse_attn import prefill
+from mm3_compile.kernels.sparse_attn import schedule as attn_schedule
 from mm3_compile.kernels.sparse_attn.naive import sparse_attn_decode_ref
 from tests.sparse_attn.helpers import DECODE_REQS, FP8_CASES, PAGE, PREFILL_REQS, SCHEDULES, assert_close, build
 
@@ -126,6 +128,42 @@ def test_decode_fp8_split_partials_are_unscaled(model_dtype, v_scale, device):
     assert finite.all() and out.isfinite().all(), "the merged rows fit the model dtype"
     unit = lambda t: (t.double() * (0.25 / v_scale)).to(model_dtype)  # noqa: E731  (build() quantised V for 0.25)
     assert_close(unit(out), unit(ref), model_dtype, f"v_scale {v_scale}")
+
+
+@pytest.mark.parametrize("spec", ["fp8", "fp8_e5m2"])
+def test_decode_v_pairs_give_the_tile_bits(spec, device, monkeypatch):
+    """FP8 V read as int16 pairs (``V_PAIRS``: two PV dots over the even and odd D columns, each accumulating
+    into its half of the accumulator) gives the bits of the [128, D] tile path, one pass and split: in the
+    interpreter (bytes decoded with integers) and on a GPU (typed cache, the hardware conversion), there
+    against the tile converted before its transpose (this one-wave grid's plan).  Against Triton's own order
+    (an FP8 operand transposed byte by byte) the low bits differ, at the same mean error (bench/NOTES.md,
+    session 43)."""
+    base = attn_schedule.kernel_options
+    taken = []
+
+    def forced(on):
+        def options(*args, **kwargs):
+            # off: the options without pairs (V converted first on the GPU: this grid is one wave)
+            chosen = base(*args, **kwargs) if on else base(*args, **{**kwargs, "fp16_dots": False})
+            taken.append((chosen["V_PAIRS"], chosen["CONVERT_V_FIRST"]))
+            return chosen
+
+        return options
+
+    gpu = device.type == "cuda"
+    requests = [(s, 1) for s in (4100, 0, 700, 2999, 130)] if gpu else [(260, 1), (0, 1), (700, 1)]
+    with contextlib.nullcontext() if gpu else platform.emulate("sm_90"):
+        shape = dict(D=128, Hkv=1, G=8, T=16) if gpu else dict(D=128, Hkv=2, G=4, T=4)
+        case = build(device, requests, spec=spec, scale="scalar", seed=11, **shape)
+        outputs = {}
+        for on in (False, True):
+            monkeypatch.setattr(attn_schedule, "kernel_options", forced(on))
+            outputs[on] = (torch.ops.mm3.sparse_attn_decode(*case.decode_args()), case.split_decode(3, scale_mode=1))
+    assert taken == [(False, gpu), (False, gpu), (True, False), (True, False)]
+    for tile, pairs in zip(outputs[False], outputs[True]):
+        assert torch.equal(tile, pairs)
+    ref = sparse_attn_decode_ref(*case.decode_args()[:6], case.storage_dtype, case.k_scale, case.v_scale)
+    assert_close(outputs[True][0], ref, torch.bfloat16, f"pairs {spec}")
 
 
 # ---------------------------------------------------------------- GPU (H200): M3 shapes, larger batches

@@ -127,26 +127,43 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert options(decode_programs=None)["num_stages"] == 2  # prefill, multi-token tiles
     assert decode_kernels.split_plan(1, 4, 16, cuda, fp8) == (16, 1)  # TP1 B1: 64 programs, one wave
     one_block = dict(fp8_decode=True, decode_programs=64, blocks_per_program=1)
-    assert options(**one_block) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=1)
+    assert options(**one_block) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=1)
     assert options(fp8_decode=True, decode_programs=64) == dict(
-        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=2
+        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=2
     )
+    # over fp16 dots (scalar or no scales) V is read as int16 pairs wherever the split's block count is known
+    assert options(fp8_decode=True, decode_programs=64, blocks_per_program=2, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=2
+    )
+    assert options(**one_block, fp16_dots=True)["V_PAIRS"]
     assert options(decode_programs=64)["num_warps"] == 4  # bf16, one wave
     assert options(decode_programs=133)["num_warps"] == 8
-    assert options(fp8_decode=True, decode_programs=256) == dict(
-        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3
+    assert options(fp8_decode=True, decode_programs=256, blocks_per_program=8, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=3
     )
-    assert options(fp8_decode=True) == dict(DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3)
-    # programs of at most 2 blocks in a larger grid: 2 stages, FP8 V converted after its transpose (Triton's order)
+    assert options(fp8_decode=True, decode_programs=256, fp16_dots=True) == dict(  # block count unknown
+        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
+    )
+    assert options(fp8_decode=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
+    )
+    # programs of at most 2 blocks in a larger grid: 2 stages; FP8 V transposed as int16 pairs over fp16 dots,
+    # else converted after its transpose (Triton's order)
     short = dict(fp8_decode=True, decode_programs=256, blocks_per_program=2)
-    assert options(**short) == dict(DOT_FP32=False, CONVERT_V_FIRST=False, num_warps=4, num_stages=2)
-    assert not options(decode_programs=64)["CONVERT_V_FIRST"]  # bf16 caches and prefill never take the asm
+    assert options(**short, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=2
+    )
+    assert options(**short) == dict(DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=False, num_warps=4, num_stages=2)
+    # bf16 caches and prefill never take the asm
+    assert not any(options(decode_programs=64, fp16_dots=True)[k] for k in ("CONVERT_V_FIRST", "V_PAIRS"))
+    assert not options(decode_programs=None, fp16_dots=True)["V_PAIRS"]
     # a symbolic grid (a trace at one request runs every batch): bf16 follows the hint, FP8 takes the multi-wave options
     env = ShapeEnv()
     programs = env.create_symintnode(env.create_symbol(64, ConstantSource("programs")), hint=64)
     assert options(decode_programs=programs)["num_stages"] == 3
-    assert options(fp8_decode=True, decode_programs=programs) == dict(
-        DOT_FP32=False, CONVERT_V_FIRST=True, num_warps=4, num_stages=3
+    blocks = env.create_symintnode(env.create_symbol(16, ConstantSource("blocks")), hint=16)
+    assert options(fp8_decode=True, decode_programs=programs, blocks_per_program=blocks, fp16_dots=True) == dict(
+        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
     )
 
 
@@ -190,3 +207,15 @@ def test_pdl_only_for_nvidia_launches(monkeypatch):
     assert not use_pdl(cuda)
     monkeypatch.setattr(platform, "hardware_vendor", lambda device: "amd")
     assert not use_pdl(cuda)
+
+
+def test_v_pairs_need_even_v_rows():
+    """``V_PAIRS`` reads V as int16: a cache whose rows may start at odd bytes keeps the byte tile."""
+    from mm3_compile.kernels.sparse_attn.union import pairs_aligned
+
+    buffer = torch.zeros(2 * 2 * 128 * 257, dtype=torch.uint8)
+    shape, strides = (2, 2, 128, 256), (2 * 128 * 256, 128 * 256, 256, 1)
+    assert pairs_aligned(buffer[: 2 * 2 * 128 * 256].view(shape))
+    assert not pairs_aligned(buffer.as_strided(shape, strides, storage_offset=1))  # odd start
+    assert not pairs_aligned(buffer.as_strided(shape, (2 * 128 * 257, 128 * 257, 257, 1)))  # odd rows
+    assert pairs_aligned(buffer.as_strided(shape, strides, storage_offset=2))
