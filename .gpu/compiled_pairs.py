@@ -1,17 +1,38 @@
-"""Session 43: the decode op compiled with dynamic shapes (as bench/attention.py's op_compiled) on FP8 rows, whose
-symbolic split takes the multi-wave options (V_PAIRS, 3 stages), timed as bench/attn_probe.op_row, float64-checked.
+"""Session 43: the decode op compiled as bench/attention.py's op_compiled does (the workspace op, dynamic=True), FP8
+rows: a symbolic split's options with V converted first (the plan) against V read as int16 pairs (V_PAIRS forced for
+symbolic block counts), one compile per variant, interleaved (rows as .gpu/dep_ab.py: bench/attn_probe.op_row, graph
+replay over every rotated set, float64-checked, graph == eager), with the eager op as a control.
 Run: python3 .gpu/compiled_pairs.py"""
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dep_ab import P, ceilings, line, make, torch  # noqa: E402
+from dep_ab import P, ceilings, line, make, mm3_compile, schedule, torch  # noqa: E402
+import mm3_compile.ops  # noqa: E402
+
+base = schedule.kernel_options
+
+
+def variant(pairs):
+    def patched(*a, **k):
+        o = base(*a, **k)
+        symbolic = not isinstance(k.get("blocks_per_program"), int)
+        if pairs and symbolic and k.get("fp8_decode") and k.get("fp16_dots"):
+            o.update(V_PAIRS=True, CONVERT_V_FIRST=False)
+        return o
+
+    schedule.kernel_options = patched
+    torch._dynamo.reset()
+    return torch.compile(P.workspace_decode(ws), dynamic=True)
+
 
 copy, l2 = ceilings()
-compiled = torch.compile(P.plain_decode, dynamic=True)
-for B, kv, tp, Hq, Hkv in [(32, "fp8", "TP8", 8, 1), (32, "fp8", "TP1", 64, 4), (1, "fp8", "TP1", 64, 4),
-                           (128, "fp8", "TP8", 8, 1)]:
-    inp, tokens, ref = make(B, kv, tp, Hq, Hkv, l2)
-    rows = {"op": [P.op_row(inp, tokens, ref, "", "") for _ in range(2)],
-            "compiled": [P.op_row(inp, tokens, ref, "", "", op=compiled) for _ in range(2)]}
-    line(f"{tp} B{B} {kv}", rows, inp.kv_bytes + inp.io_bytes, copy)
-    del inp
-    torch.cuda.empty_cache()
+ws = mm3_compile.ops.decode_workspace("cuda")
+SHAPES = [(1, "TP1", 64, 4), (1, "TP8", 8, 1), (32, "TP1", 64, 4), (32, "TP8", 8, 1), (128, "TP1", 64, 4),
+          (128, "TP8", 8, 1)]
+inputs = {s: make(s[0], "fp8", s[1], s[2], s[3], l2) for s in SHAPES}
+res = {s: {"op": [P.op_row(*inputs[s], "", "")]} for s in SHAPES}
+for pairs in (False, True, False, True):
+    compiled = variant(pairs)
+    for s in SHAPES:
+        res[s].setdefault("pairs" if pairs else "first", []).append(P.op_row(*inputs[s], "", "", op=compiled))
+for s in SHAPES:
+    line(f"compiled {s[1]} B{s[0]} fp8", res[s], inputs[s][0].kv_bytes + inputs[s][0].io_bytes, copy)
