@@ -171,33 +171,25 @@ def load_block(
     return k, v
 
 
+# split_pairs on NVIDIA: per 32-bit register (two int16 pairs), gather the low (then high) bytes and convert both
+# with one hardware instruction; the two formats differ only in it
+_PAIRS_ASM = (
+    "{ .reg .b32 t; .reg .b16 h; prmt.b32 t, $2, 0, 0x20; cvt.u16.u32 h, t; cvt.rn.f16x2.FMT $0, h; "
+    "prmt.b32 t, $2, 0, 0x31; cvt.u16.u32 h, t; cvt.rn.f16x2.FMT $1, h; }"
+)
+E4M3_PAIRS_ASM = tl.constexpr(_PAIRS_ASM.replace("FMT", "e4m3x2"))
+E5M2_PAIRS_ASM = tl.constexpr(_PAIRS_ASM.replace("FMT", "e5m2x2"))
+
+
 @triton.jit
 def split_pairs(w, FP8: tl.constexpr, FP8_NATIVE_LOAD: tl.constexpr, DOT_FP32: tl.constexpr):
     """[R, C] int16 pairs of FP8 bytes (D index 2j in the low byte, 2j + 1 in the high one) -> (even, odd)
     [R, C] fp16 (fp32 under DOT_FP32): the FP8 values exactly."""
     if FP8_NATIVE_LOAD:  # NVIDIA's e4m3fn or e5m2 (the schedule takes V_PAIRS nowhere else)
-        # per 32-bit register (two pairs): gather the low (high) bytes, then one hardware conversion of two
-        E4M3: tl.constexpr = (FP8 & 3) == 3
-        if E4M3:
-            even, odd = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; .reg .b16 h; prmt.b32 t, $2, 0, 0x20; cvt.u16.u32 h, t; "
-                "cvt.rn.f16x2.e4m3x2 $0, h; prmt.b32 t, $2, 0, 0x31; cvt.u16.u32 h, t; cvt.rn.f16x2.e4m3x2 $1, h; }",
-                "=r,=r,r",
-                [w],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=2,
-            )
-        else:
-            even, odd = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; .reg .b16 h; prmt.b32 t, $2, 0, 0x20; cvt.u16.u32 h, t; "
-                "cvt.rn.f16x2.e5m2x2 $0, h; prmt.b32 t, $2, 0, 0x31; cvt.u16.u32 h, t; cvt.rn.f16x2.e5m2x2 $1, h; }",
-                "=r,=r,r",
-                [w],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=2,
-            )
+        PAIRS_ASM: tl.constexpr = E4M3_PAIRS_ASM if (FP8 & 3) == 3 else E5M2_PAIRS_ASM
+        even, odd = tl.inline_asm_elementwise(
+            PAIRS_ASM, "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+        )
     else:
         even = fp8_decode(w, FP8).to(tl.float16)  # every FP8 value is an fp16 value
         odd = fp8_decode(w >> 8, FP8).to(tl.float16)
