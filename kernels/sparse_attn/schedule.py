@@ -108,8 +108,7 @@ def launch_options(
         for 128-row tiles, 4 for tiles of <= 64 rows, 2 stages. ``CONVERT_V_FIRST`` (``jit.load_block``: an
         FP8 V tile converted before its transpose) for one-token FP8 decode, except in larger grids of
         programs of at most 2 blocks, whose pipelined copies it slows; ``V_PAIRS`` instead (V's bytes
-        transposed as int16 pairs, converted after) wherever the dots are fp16 and the split's block count is
-        known, and in the interpreter.
+        transposed as int16 pairs, converted after) wherever the dots are fp16, and in the interpreter.
         gfx9: 4 wavefronts of 64 and one stage (64 KB LDS).
 
     Examples:
@@ -140,8 +139,9 @@ def launch_options(
         # Over fp16 dots V is read as int16 pairs; against V converted first, and for short programs in larger
         # grids Triton's order (H100, same call, bench/NOTES.md, session 43): TP8 B32 13.09 -> 12.22 us, TP1 B8
         # 13.62 -> 11.94, TP1 B32 30.51 -> 29.49, TP1 B128 98.8 -> 96.1, TP8 B1 5.56 -> 5.50, TP1 B1 even.  A
-        # symbolic split (a graph traced for every batch) keeps V converted first: not yet timed against it.
-        pairs = fp16_dots and blocks_per_program is not None
+        # symbolic split too (compiled with dynamic shapes, session 44): TP8 B32 13.66 -> 12.81, TP1 B32 32.16 ->
+        # 30.86, TP1 B128 99.6 -> 95.7, TP1 B1 6.48 -> 6.26, TP8 B1 5.53 -> 5.55.
+        pairs = fp16_dots
         # Otherwise V converted first (H100, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1 B32
         # 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
         first = not pairs and (one_wave or not short)

@@ -131,7 +131,7 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert options(fp8_decode=True, decode_programs=64) == dict(
         DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=2
     )
-    # over fp16 dots (scalar or no scales) V is read as int16 pairs wherever the split's block count is known
+    # over fp16 dots (scalar or no scales) V is read as int16 pairs
     assert options(fp8_decode=True, decode_programs=64, blocks_per_program=2, fp16_dots=True) == dict(
         DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=2
     )
@@ -142,7 +142,7 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
         DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=3
     )
     assert options(fp8_decode=True, decode_programs=256, fp16_dots=True) == dict(  # block count unknown
-        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=3
     )
     assert options(fp8_decode=True) == dict(
         DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
@@ -163,8 +163,9 @@ def test_one_token_decode_options_follow_the_wave(monkeypatch):
     assert options(decode_programs=programs)["num_stages"] == 3
     blocks = env.create_symintnode(env.create_symbol(16, ConstantSource("blocks")), hint=16)
     assert options(fp8_decode=True, decode_programs=programs, blocks_per_program=blocks, fp16_dots=True) == dict(
-        DOT_FP32=False, CONVERT_V_FIRST=True, V_PAIRS=False, num_warps=4, num_stages=3
+        DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=True, num_warps=4, num_stages=3
     )
+    assert options(fp8_decode=True, decode_programs=programs, blocks_per_program=blocks)["CONVERT_V_FIRST"]
 
 
 def test_shared_counters_are_real_cuda_tensors_only():
