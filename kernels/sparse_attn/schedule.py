@@ -141,11 +141,10 @@ def launch_options(
         # 13.62 -> 11.94, TP1 B32 30.51 -> 29.49, TP1 B128 98.8 -> 96.1, TP8 B1 5.56 -> 5.50, TP1 B1 even.  A
         # symbolic split too (compiled with dynamic shapes, session 44): TP8 B32 13.66 -> 12.81, TP1 B32 32.16 ->
         # 30.86, TP1 B128 99.6 -> 95.7, TP1 B1 6.48 -> 6.26, TP8 B1 5.53 -> 5.55.
-        pairs = fp16_dots
         # Otherwise V converted first (H100, session 42): TP1 B1 6.71 -> 6.32 us, TP8 B1 5.83 -> 5.56, TP1 B32
         # 32.84 -> 30.56, TP1 B128 105.1 -> 98.8; short programs in larger grids lose (TP8 B16 9.86 -> 11.06).
-        first = not pairs and (one_wave or not short)
-        return dict(DOT_FP32=False, CONVERT_V_FIRST=first, V_PAIRS=pairs, num_warps=4, num_stages=stages)
+        first = not fp16_dots and (one_wave or not short)
+        return dict(DOT_FP32=False, CONVERT_V_FIRST=first, V_PAIRS=fp16_dots, num_warps=4, num_stages=stages)
     num_warps = 4 if one_wave or (prefill and block_m <= 64) else 8
     return dict(
         DOT_FP32=False, CONVERT_V_FIRST=False, V_PAIRS=False, num_warps=num_warps, num_stages=3 if one_wave else 2
