@@ -69,12 +69,15 @@ case "${1:-tests}" in
       timeout "$limit" "$cs" --tool "$tool" --target-processes all --print-limit 50 \
         python3 scripts/sanitize_calls.py "$@" >"$log" 2>&1
       rc=$?
-      errors=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$log" | tail -1 | grep -oE "[0-9]+ error" | grep -oE "[0-9]+")
+      # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)", the others with
+      # "ERROR SUMMARY: E errors".
+      errors=$(grep -E "(ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: .*\([0-9]+ error)" "$log" | tail -1 |
+        grep -oE "[0-9]+ error" | grep -oE "[0-9]+")
       calls=$(grep -E "^CALLS:" "$log" | tail -1)
       if [ "$rc" -ne 0 ] || [ "${errors:-x}" != "0" ]; then status=1; fi
       summary+=$(printf '%-10s rc=%-4s errors=%-4s %s' "$tool" "$rc" "${errors:-?}" "${calls:-no CALLS line (timeout or crash)}")$'\n'
     done
-    grep -hE "^(FAILED|=========.*(Invalid|Race|Barrier|ERROR SUMMARY: [1-9]))" "$out"/sanitize_*.log | head -20
+    grep -hE "^(FAILED|=========.*(Invalid|Race|Barrier|ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]))" "$out"/sanitize_*.log | head -20
     printf '%s' "$summary"
     if [ $status -eq 0 ]; then echo "sanitize: 0 errors"; else echo "sanitize: FAILED (logs in $out/sanitize_*.log)"; fi
     exit $status ;;
